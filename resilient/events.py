@@ -1,0 +1,97 @@
+"""The JSON-lines event log every resilient process writes.
+
+Each process appends to ``RUN_DIR/events.jsonl`` one JSON object per line.
+Every object carries ``time`` (UNIX seconds, float), ``event`` (a name from
+:data:`EVENTS`), ``node`` (the node id) and ``rank`` (global rank, or -1 for an
+agent or tool). The fields of each event kind are documented in
+``docs/events.md``; :data:`EVENTS` is the list of kinds, and writing an unknown
+kind is a bug (it raises), so the schema page stays true.
+
+Lines are appended with a single ``write`` on a file opened ``O_APPEND``, so
+several processes on one node can share the file without tearing lines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+# Event kinds, grouped by who writes them. docs/events.md describes each.
+EVENTS = frozenset({
+    # worker
+    "run_start", "step", "eval", "run_end", "worker_error",
+    # snapshots
+    "snapshot", "commit", "upload", "upload_error", "restore", "restore_fallback", "gc",
+    # agent and rendezvous
+    "agent_start", "agent_stop", "rendezvous", "workers_started", "failure",
+    "heartbeat_timeout", "preemption", "scale", "membership",
+    # silent data corruption
+    "sdc_suspect", "sdc_replay", "sdc_verdict", "sdc_probe", "quarantine", "rollback",
+    # chaos
+    "fault_injected", "fault_cleared",
+})
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # JSON has no NaN/inf; keep them readable
+    return value
+
+
+class EventLog:
+    """Append-only writer of one process's events.
+
+    ``node`` and ``rank`` are stamped on every event. A log with ``path=None``
+    drops events (a library user who wants none).
+    """
+
+    def __init__(self, path: str | os.PathLike | None, node: str | None = None, rank: int = -1):
+        self.path = Path(path) if path else None
+        self.node = node or socket.gethostname()
+        self.rank = rank
+        self._fd: int | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        if event not in EVENTS:
+            raise ValueError(f"unknown event kind {event!r}; add it to resilient.events.EVENTS and docs/events.md")
+        record = {"time": time.time(), "event": event, "node": self.node, "rank": self.rank}
+        record.update({k: _jsonable(v) for k, v in fields.items()})
+        if self._fd is not None:
+            os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
+        return record
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "EventLog":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_events(path: str | os.PathLike) -> Iterator[dict]:
+    """Yield the events of a log, skipping a torn last line (a killed writer)."""
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def merge_events(paths: list[str | os.PathLike]) -> list[dict]:
+    """Merge several logs into one timeline ordered by time."""
+    merged = [e for p in paths if os.path.exists(p) for e in read_events(p)]
+    merged.sort(key=lambda e: e.get("time", 0.0))
+    return merged

@@ -1,0 +1,1 @@
+"""Snapshots of sharded training state: the format, capture, tiers, restore."""

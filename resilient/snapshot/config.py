@@ -1,0 +1,22 @@
+"""The ``[snapshot]`` section of a run config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from resilient.configbase import knob
+
+
+@dataclass
+class SnapshotConfig:
+    """When and where training state is captured and kept."""
+
+    every: int = knob(1, "capture a snapshot version every N optimizer steps into host RAM; 0 disables snapshots")
+    durable_url: str = knob("", "fsspec URL of the durable tier (file://, s3://, ...); empty = file://RUN_DIR/checkpoints")
+    durable_every: int = knob(10, "upload every N-th step's version to the durable tier; 0 = only at the end and on preemption")
+    durable_seconds: float = knob(0.0, "also upload when this many seconds passed since the last upload; 0 disables")
+    keep_last: int = knob(3, "durable retention: keep the newest K complete versions")
+    keep_every: int = knob(0, "durable retention: also keep every version whose step is a multiple of M; 0 disables")
+    compress: str = knob("auto", "zstd for payloads: 'none', 'zstd', or 'auto' (zstd only for bf16/fp16 payloads to remote URLs, where it beats the link)", choices=("auto", "none", "zstd"))
+    upload_threads: int = knob(4, "parallel chunk uploads to the durable tier")
+    resume: bool = knob(True, "on start, restore the newest complete version found in the tiers")
