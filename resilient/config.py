@@ -7,6 +7,7 @@ A run config has one table per component::
     [train]     optimizer, schedule, batch, steps, precision
     [data]      the token corpus
     [snapshot]  capture, durable tier, retention (resilient.snapshot)
+    [launch]    processes per node, restarts
 
 Every knob is declared with its documentation next to it; ``resilient config
 --explain`` prints them all. Overrides from the command line use dotted keys:
@@ -119,6 +120,15 @@ class DataConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """How ``resilient launch`` runs the job on this node."""
+
+    nproc_per_node: int = knob(0, "worker processes on this node; 0 = the whole layout on one node (pp·dp·tp, with dp = 1 when automatic)")
+    max_restarts: int = knob(3, "times the node's workers are restarted after a failure before the job fails")
+    monitor_interval: float = knob(0.1, "seconds between checks of the workers' health")
+
+
+@dataclass
 class Config:
     """A whole run config. ``source`` names the file it was read from."""
 
@@ -127,6 +137,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
 
     def to_dict(self) -> dict:
@@ -138,6 +149,11 @@ class Config:
         """A hash of what determines the model's structure (not the schedule)."""
         blob = json.dumps(section_to_dict(self.model), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    def default_world_size(self) -> int:
+        """Processes the layout asks for when launched on one node."""
+        p = self.parallel
+        return self.launch.nproc_per_node or p.pp * max(p.dp, 1) * p.tp
 
     def layout(self, world_size: int) -> tuple[int, int, int]:
         """(pp, dp, tp) for ``world_size`` ranks, after validation."""

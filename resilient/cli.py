@@ -1,0 +1,93 @@
+"""The ``resilient`` command: a thin dispatcher to the subcommands.
+
+    resilient launch CONFIG [--run-dir DIR] [--set k=v ...]
+    resilient data prepare SRC OUT
+    resilient config [CONFIG] [--explain] [--set k=v ...]
+
+Each subcommand's code lives in its own module; this file only parses the
+first word and maps typed errors to a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from resilient.errors import ResilientError
+
+
+def _cmd_launch(argv: list[str]) -> int:
+    from resilient import launch
+
+    ap = argparse.ArgumentParser(prog="resilient launch", description="Run a training job.")
+    launch.add_arguments(ap)
+    return launch.launch(ap.parse_args(argv))
+
+
+def _cmd_data(argv: list[str]) -> int:
+    from resilient.data import main_prepare
+
+    if not argv or argv[0] != "prepare":
+        print("usage: resilient data prepare SRC OUT [--max-bytes N]", file=sys.stderr)
+        return 2
+    return main_prepare(argv[1:])
+
+
+def _cmd_config(argv: list[str]) -> int:
+    from resilient.config import explain_all, load_config
+
+    ap = argparse.ArgumentParser(prog="resilient config", description="Show a resolved config, or every knob.")
+    ap.add_argument("config", nargs="?", help="run config (TOML)")
+    ap.add_argument("--explain", action="store_true", help="list every knob with its default and documentation")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--world-size", type=int, default=None, help="also validate the layout for this many processes")
+    args = ap.parse_args(argv)
+    if args.explain:
+        print(explain_all())
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    cfg.validate_layout(args.world_size or cfg.default_world_size())
+    print(json.dumps(cfg.to_dict(), indent=1))
+    return 0
+
+
+COMMANDS = {
+    "launch": (_cmd_launch, "run a training job"),
+    "data": (_cmd_data, "prepare a token corpus"),
+    "config": (_cmd_config, "show or explain a run config"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: resilient COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from resilient import __version__
+
+        print(__version__)
+        return 0
+    cmd = COMMANDS.get(argv[0])
+    if cmd is None:
+        print(f"resilient: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        return cmd[0](argv[1:])
+    except ResilientError as e:
+        print(f"resilient {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"resilient {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""AdamW, the warmup + cosine learning rate, and global gradient clipping that
+works for any mix of FSDP2 shards, tensor-parallel shards, replicated
+parameters and pipeline stages."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from resilient.config import TrainConfig
+
+
+def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms)."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False: DTensors of different meshes (2-D TP+FSDP weights, 1-D
+    # FSDP-only norms) cannot share one foreach kernel call.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at ``steps``."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _replication(t: torch.Tensor, world_replicas: int) -> int:
+    """How many ranks hold an identical copy of this tensor's local values."""
+    if isinstance(t, DTensor):
+        n = 1
+        for size, placement in zip(t.device_mesh.mesh.shape, t.placements):
+            if isinstance(placement, Replicate):
+                n *= size
+        return n * world_replicas // t.device_mesh.size()
+    return world_replicas
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, replicas: int) -> torch.Tensor:
+    """Clip all gradients to a global L2 norm of ``max_norm``; return the norm.
+
+    Each rank sums the squares of its local gradient values, divided by how
+    many ranks hold the same values, and one all-reduce over the whole world
+    adds the stages, shards and replicas up exactly once. ``replicas`` is the
+    number of ranks that share a pipeline stage (dp × tp): a plain tensor is
+    replicated across all of them, a DTensor across the mesh dims where it is
+    ``Replicate``. Works for any mix of meshes, which torch's own
+    ``clip_grad_norm_`` does not.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        sq += local.double().pow(2).sum() / _replication(g, replicas)
+    if dist.is_initialized():
+        dist.all_reduce(sq)
+    norm = sq.sqrt().float()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+    return norm

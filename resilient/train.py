@@ -1,0 +1,176 @@
+"""The worker's training loop: one orchestrator that wires the components.
+
+A worker process is started by ``resilient launch`` (or torchrun) with the
+usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` environment. :class:`Trainer`
+builds the process group, the (pp, dp, tp) layout, this rank's share of the
+GPT, the optimizer and the data, then loops: batch → forward/backward →
+clip → optimizer step → log. Components are configured by the dataclasses of
+:mod:`resilient.config`; this module only orders them.
+
+What a step sees depends only on (config, step): data by global sample index,
+learning rate by step, initialization by (seed, name). That is what makes two
+runs of one layout bitwise identical and a restored run continue exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from resilient.config import Config
+from resilient.data import TokenCorpus, ensure_corpus
+from resilient.events import EventLog
+from resilient.model import flops_per_token
+from resilient.optim import build_optimizer, clip_grad_norm, lr_at
+from resilient.parallel import ParallelModel, build_layout, build_model
+from resilient.progress import ProgressLine, device_peak_tflops
+
+DIST_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    tokens_per_s: float
+    seconds: float
+
+
+def pick_device(cfg: Config) -> tuple[torch.device, str]:
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), "cpu:gloo,cuda:nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    d = cfg.train.dtype
+    if d == "auto":
+        d = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if d == "bf16" else torch.float32
+
+
+def param_digest(pm: ParallelModel) -> str:
+    """SHA-256 of this rank's local parameter bytes, in name order: equal
+    digests on every rank of two runs of one layout = bitwise-equal models."""
+    h = hashlib.sha256()
+    for name, p in sorted(pm.named_parameters(), key=lambda kv: kv[0]):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        h.update(name.encode())
+        h.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Trainer:
+    """Trains ``cfg`` as this process's rank; see the module docstring."""
+
+    def __init__(self, cfg: Config, run_dir: str | os.PathLike, node: str | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.device, backend = pick_device(cfg)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=DIST_TIMEOUT)
+        self.rank = dist.get_rank()
+        self.events = EventLog(self.run_dir / "events.jsonl", node=node, rank=self.rank)
+        torch.manual_seed(cfg.train.seed)
+        self.layout = build_layout(cfg, self.device.type)
+        self.dtype = compute_dtype(cfg, self.device)
+        self.model = build_model(cfg, self.layout, self.device, self.dtype)
+        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.train)
+        corpus_path = ensure_corpus(cfg.data.path, cfg.data.source, cfg.data.max_bytes) if self.rank == 0 else None
+        dist.barrier()  # rank 0 may have just built the corpus
+        self.corpus = TokenCorpus(corpus_path or Path(cfg.data.path).expanduser(), cfg.train.seq_len,
+                                  cfg.train.seed, cfg.data.val_fraction)
+        self.corpus.check_vocab(cfg.model.vocab_size, cfg.source)
+        self.step = 0  # the next step to run; also the data position / global_batch
+        self.progress = ProgressLine(cfg.train.steps, every=cfg.train.log_every) if self.rank == 0 else None
+        peak = cfg.train.peak_tflops or device_peak_tflops(self.device.type)
+        self.peak_flops = peak * 1e12 * self.layout.world if peak else 0.0
+
+    # -- one step -----------------------------------------------------------
+    def _batch(self, step: int):
+        lay = self.layout
+        b = self.corpus.batch(step, self.cfg.train.global_batch, lay.dp_rank, lay.dp)
+        return b.inputs.to(self.device), b.targets.to(self.device)
+
+    def _global_mean(self, local: torch.Tensor | None) -> float:
+        """Mean of a per-replica loss over dp, available on every rank: last-stage
+        ranks with tp_rank 0 contribute, everyone else adds zero."""
+        lay = self.layout
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        if local is not None and lay.tp_rank == 0:
+            value += local.double()
+        dist.all_reduce(value)
+        return float(value) / lay.dp
+
+    def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        step, cfg = self.step, self.cfg.train
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        inputs, targets = self._batch(step)
+        local_loss = self.model.forward_backward(inputs, targets)
+        norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip, self.layout.dp * self.layout.tp)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._global_mean(local_loss)
+        self.step += 1
+        seconds = time.perf_counter() - t0
+        tokens = cfg.global_batch * cfg.seq_len
+        # Steps are counted as completed steps: event "step": 1 is the first.
+        return StepResult(self.step, loss, float(norm), tokens / seconds, seconds)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        total = 0.0
+        lay = self.layout
+        for i in range(self.cfg.train.eval_batches):
+            b = self.corpus.val_batch(i, self.cfg.train.global_batch, lay.dp_rank, lay.dp)
+            local = self.model.evaluate(b.inputs.to(self.device), b.targets.to(self.device))
+            total += self._global_mean(local)
+        return total / self.cfg.train.eval_batches
+
+    # -- the loop -----------------------------------------------------------
+    def _log_step(self, r: StepResult) -> None:
+        mfu = None
+        if self.peak_flops:
+            fpt = flops_per_token(self.cfg.model, self.cfg.train.seq_len)
+            mfu = r.tokens_per_s * fpt / self.peak_flops
+        self.events.emit("step", step=r.step, loss=r.loss, grad_norm=r.grad_norm,
+                         tokens_per_s=r.tokens_per_s, seconds=r.seconds, **({"mfu": mfu} if mfu else {}))
+        if self.progress:
+            self.progress.update(r.step, r.loss, r.tokens_per_s, mfu)
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self.events.emit("run_start", layout=self.layout.as_dict(), start_step=self.step,
+                         config_digest=cfg.digest(), params=cfg.model.num_params(),
+                         device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
+        while self.step < cfg.train.steps:
+            result = self.train_step()
+            self._log_step(result)
+            if cfg.train.eval_every and result.step % cfg.train.eval_every == 0:
+                val = self.evaluate()
+                self.events.emit("eval", step=result.step, val_loss=val)
+                if self.progress:
+                    self.progress.message(f"eval at step {result.step}: val loss {val:.4f}")
+        if self.progress:
+            self.progress.close()
+        self.events.emit("run_end", step=self.step, param_digest=param_digest(self.model))
+        return 0
+
+    def close(self) -> None:
+        self.events.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,51 @@
+"""Entry point of one worker process: ``python -m resilient.worker``.
+
+Started by ``resilient launch`` (or torchrun) with the torch.distributed
+environment set. Reads the resolved config the launcher wrote as JSON, trains,
+and exits 0; on an exception it records a ``worker_error`` event and exits 1,
+so the agent sees a failure it can act on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from resilient.config import config_from_dict
+from resilient.events import EventLog
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m resilient.worker")
+    ap.add_argument("--config", required=True, help="the resolved config as JSON (written by the launcher)")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--node", default=None)
+    args = ap.parse_args(argv)
+    with open(args.config) as f:
+        cfg = config_from_dict(json.load(f), source=args.config)
+
+    from resilient.train import Trainer
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg, args.run_dir, node=args.node)
+        return trainer.run()
+    except BaseException as e:
+        if not isinstance(e, SystemExit):
+            rank = int(os.environ.get("RANK", "-1"))
+            EventLog(os.path.join(args.run_dir, "events.jsonl"), node=args.node, rank=rank).emit(
+                "worker_error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        raise
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
