@@ -31,6 +31,7 @@ from resilient.errors import ConfigError
 from resilient.snapshot.config import SnapshotConfig
 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # several stages per rank
 
 
 @dataclass
@@ -215,14 +216,18 @@ class Config:
                 f"{src}: {p.n_microbatches} micro-batches cannot fill {p.pp} pipeline stages; "
                 f"set 'parallel.microbatches' ≥ {p.pp}"
             )
-        if p.pp_schedule == "interleaved-1f1b" and p.stages_per_rank < 2:
-            raise ConfigError(f"{src}: 'interleaved-1f1b' needs 'parallel.stages_per_rank' ≥ 2")
-        if p.pp_schedule != "interleaved-1f1b" and p.stages_per_rank > 1:
-            raise ConfigError(f"{src}: 'parallel.stages_per_rank' > 1 needs pp_schedule = 'interleaved-1f1b'")
         if p.pp_schedule == "zero-bubble" and dp > 1:
             raise ConfigError(
                 f"{src}: pp_schedule 'zero-bubble' with FSDP2 (dp={dp}) computes silently wrong "
                 f"gradients in torch 2.13; use '1f1b' or 'interleaved-1f1b', or dp = 1"
+            )
+        multi = p.pp_schedule in MULTI_STAGE_SCHEDULES
+        if p.pp > 1 and multi and p.stages_per_rank < 2:
+            raise ConfigError(f"{src}: pp_schedule '{p.pp_schedule}' needs 'parallel.stages_per_rank' ≥ 2")
+        if not multi and p.stages_per_rank > 1:
+            raise ConfigError(
+                f"{src}: 'parallel.stages_per_rank' > 1 needs pp_schedule "
+                f"{' or '.join(map(repr, MULTI_STAGE_SCHEDULES))}"
             )
         if t.steps < 0 or t.global_batch < 1 or t.seq_len < 1:
             raise ConfigError(f"{src}: 'train.steps' ≥ 0, 'train.global_batch' ≥ 1 and 'train.seq_len' ≥ 1 are required")

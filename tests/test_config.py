@@ -1,0 +1,99 @@
+"""Config loading: typed sections, clear errors naming key, file and fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient.config import explain_all, load_config
+from resilient.errors import ConfigError
+
+from launchutil import REPO
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "run.toml"
+    p.write_text(text)
+    return p
+
+
+def test_shipped_configs_load_and_validate():
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        cfg = load_config(path)
+        cfg.validate_layout(cfg.default_world_size())
+
+
+def test_unknown_key_names_key_file_and_suggestion(tmp_path):
+    p = write(tmp_path, "[train]\nstep = 10\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "train.step" in msg and str(p) in msg and "did you mean 'train.steps'" in msg
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'trian'.*did you mean 'train'"):
+        load_config(write(tmp_path, "[trian]\nsteps = 1\n"))
+
+
+def test_wrong_type(tmp_path):
+    with pytest.raises(ConfigError, match="'train.steps' must be int, got 'ten'"):
+        load_config(write(tmp_path, '[train]\nsteps = "ten"\n'))
+    with pytest.raises(ConfigError, match="'parallel.activation_checkpoint' must be bool"):
+        load_config(write(tmp_path, "[parallel]\nactivation_checkpoint = 1\n"))
+
+
+def test_int_is_a_fine_float(tmp_path):
+    assert load_config(write(tmp_path, "[train]\nlr = 1\n")).train.lr == 1.0
+
+
+def test_choices(tmp_path):
+    with pytest.raises(ConfigError, match="'parallel.pp_schedule' = 'zb' is not one of"):
+        load_config(write(tmp_path, '[parallel]\npp_schedule = "zb"\n'))
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[train\n"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, "[train]\nsteps = 10\n"),
+                      ["train.steps=100", "train.dtype=bf16", "data.path=/x/y", "parallel.activation_checkpoint=true"])
+    assert cfg.train.steps == 100 and cfg.train.dtype == "bf16"
+    assert cfg.data.path == "/x/y" and cfg.parallel.activation_checkpoint is True
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(None, ["train.steps"])
+    with pytest.raises(ConfigError, match="unknown key 'train.stepz'"):
+        load_config(None, ["train.stepz=3"])
+
+
+@pytest.mark.parametrize("sets, world, match", [
+    ({"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2}, 4, "does not match the world size 4"),
+    ({"parallel.pp": 2, "parallel.tp": 2}, 6, "not divisible by pp×tp"),
+    ({"parallel.pp": 3, "model.n_layers": 4}, 3, "cannot be split into 3 pipeline stages"),
+    ({"parallel.tp": 3, "model.n_heads": 4, "model.dim": 96}, 3, "'model.n_heads' = 4 is not divisible by 'parallel.tp' = 3"),
+    ({"train.global_batch": 6}, 4, "not divisible by dp = 4"),
+    ({"parallel.pp": 2, "parallel.microbatches": 1}, 2, "micro-batches cannot fill 2"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b"}, 2, "stages_per_rank' ≥ 2"),
+    ({"parallel.pp": 2, "parallel.stages_per_rank": 2, "parallel.pp_schedule": "zero-bubble"}, 4,
+     "silently wrong"),
+    ({"train.seq_len": 512}, 1, "exceeds 'model.max_seq_len'"),
+])
+def test_impossible_layouts(sets, world, match):
+    cfg = load_config(None, [f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in sets.items()])
+    with pytest.raises(ConfigError, match=match):
+        cfg.validate_layout(world)
+
+
+def test_auto_dp_follows_world_size():
+    cfg = load_config(None, ["parallel.pp=2", "parallel.microbatches=2", "train.global_batch=12"])
+    assert cfg.layout(4) == (2, 2, 1) and cfg.layout(6) == (2, 3, 1)
+
+
+def test_explain_documents_every_knob():
+    text = explain_all()
+    for key in ("model.dim", "parallel.zero", "train.global_batch", "snapshot.every", "launch.nproc_per_node"):
+        line = next(l for l in text.splitlines() if l.startswith(key + " "))
+        assert "#" in line and len(line.split("#", 1)[1].strip()) > 10, line
