@@ -122,11 +122,22 @@ class DataConfig:
 
 @dataclass
 class LaunchConfig:
-    """How ``resilient launch`` runs the job on this node."""
+    """How ``resilient launch`` runs the job: processes, nodes, supervision.
+
+    Durations are in seconds here; the agent turns them into timedeltas."""
 
     nproc_per_node: int = knob(0, "worker processes on this node; 0 = the whole layout on one node (pp·dp·tp, with dp = 1 when automatic)")
-    max_restarts: int = knob(3, "times the node's workers are restarted after a failure before the job fails")
-    monitor_interval: float = knob(0.1, "seconds between checks of the workers' health")
+    nnodes: str = knob("1", "nodes in the job: N, or MIN:MAX for an elastic job that shrinks and grows between them")
+    max_restarts: int = knob(100, "worker-group failures tolerated before the job fails (a lost node does not count)")
+    spares: int = knob(-1, "warm worker processes (torch imported, waiting) kept ready to replace failed ones; -1 = nproc_per_node, 0 = cold restarts")
+    monitor_interval: float = knob(0.1, "seconds between checks of the workers' exit codes and heartbeats")
+    heartbeat_timeout: float = knob(30.0, "a worker silent this long after its first step is hung (SIGSTOP, deadlock) and is killed")
+    startup_timeout: float = knob(300.0, "a worker gets this long from start to its first heartbeat (imports, model build, restore)")
+    node_lease_ttl: float = knob(3.0, "a node whose etcd liveness lease is not refreshed for this long is lost")
+    last_call_timeout: float = knob(1.0, "with MIN:MAX nodes, how long a round waits for more nodes once MIN are in (torch's default is 30)")
+    keep_alive_interval: float = knob(1.0, "rendezvous keep-alive period; a node missing 3 of them is dropped from the round")
+    join_timeout: float = knob(600.0, "how long a node waits for a rendezvous round to complete")
+    preemption_grace: float = knob(20.0, "after SIGTERM, how long workers get to finish the step and save before SIGKILL")
 
 
 @dataclass

@@ -1,24 +1,35 @@
-"""``resilient launch CONFIG``: run a training job.
+"""``resilient launch CONFIG``: run this node's part of a training job.
 
-Resolves the config (file + ``--set`` overrides), validates the layout against
-the number of processes before anything starts, writes the resolved config to
-``RUN_DIR/config.json`` (what the workers read, and a record of the run), and
-hands the workers to torch's elastic launcher, which supervises them and kills
-them all on Ctrl-C or failure.
+One call per node. It resolves the config (file + ``--set`` overrides),
+validates the layout for every world size the job may take (``--nnodes
+MIN:MAX`` × processes per node) before anything starts, writes the resolved
+config to ``RUN_DIR/config.json`` (what the workers read), finds etcd, and
+runs a :class:`~resilient.agent.agent.ResilientAgent` until the job ends.
+
+etcd: ``--rdzv-endpoint HOST:PORT[,...]`` uses an existing cluster (a real
+fleet: three or five members, so no node is a single point of failure).
+Without it, the first agent on a machine starts an embedded etcd and writes
+its endpoint to ``RUN_DIR/etcd.endpoint``; other agents given the same run
+dir join through that file. The embedded etcd lives in the first agent's
+process tree: losing that node ends the job for everyone (see the README).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
+import signal
 import socket
 import sys
-import uuid
+from datetime import timedelta
 from pathlib import Path
+from typing import Iterator
 
 from resilient.config import Config, load_config
-from resilient.errors import LaunchError
+from resilient.errors import ConfigError, LaunchError
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -27,48 +38,156 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set train.steps=100 (repeatable)")
     ap.add_argument("--nproc-per-node", type=int, default=None, help="worker processes on this node (default: from the config)")
+    ap.add_argument("--nnodes", default=None, help="N or MIN:MAX nodes (default: launch.nnodes from the config)")
     ap.add_argument("--node-id", default=None, help="this node's name (default: hostname); lets several agents share a machine")
+    ap.add_argument("--domain", default="", help="failure domain of this node (rack, zone): peer replicas go elsewhere")
+    ap.add_argument("--rdzv-endpoint", default=None, help="etcd HOST:PORT[,HOST:PORT...]; default: an embedded etcd")
+    ap.add_argument("--rdzv-conf", default="", help="extra rendezvous settings k=v,k=v (TLS, username, timeouts)")
+    ap.add_argument("--run-id", default=None, help="job id shared by all nodes (default: derived from the run dir)")
 
 
-def worker_env(cfg: Config, nproc: int) -> dict[str, str]:
-    """Environment for the workers: one intra-op thread per core they share,
-    and a gloo/TCP store per attempt (torch 2.13's shared store hands
-    restarted workers the previous attempt's addresses)."""
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+def worker_env(nproc: int) -> dict[str, str]:
+    """Environment every worker process starts with.
+
+    One intra-op thread per core the node's workers share; a TCP store per
+    attempt (torch 2.13's shared rendezvous store hands restarted workers the
+    previous attempt's addresses); identical workers on every node (the
+    agents assign ranks without a store round trip).
+    """
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1",
+           "PYTHONUNBUFFERED": "1"}
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     return env
 
 
-def prepare_run(args: argparse.Namespace) -> tuple[Config, Path, int]:
+def prepare_run(args: argparse.Namespace) -> tuple[Config, Path, int, tuple[int, int]]:
+    from resilient.agent.api import parse_nnodes
+
     cfg = load_config(args.config, args.overrides)
     nproc = args.nproc_per_node or cfg.default_world_size()
-    cfg.validate_layout(nproc)
+    nnodes = parse_nnodes(args.nnodes or cfg.launch.nnodes)
+    bad = []
+    for n in range(nnodes[0], nnodes[1] + 1):
+        try:
+            cfg.validate_layout(n * nproc)
+        except ConfigError as e:
+            bad.append(f"{n} node(s) × {nproc} = {n * nproc} processes: {e}")
+    if bad:
+        raise ConfigError("the layout does not fit every world size this job may take:\n  " + "\n  ".join(bad))
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    return cfg, run_dir, nproc
+    return cfg, run_dir, nproc, nnodes
+
+
+@contextlib.contextmanager
+def etcd_endpoint(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
+    """The etcd to rendezvous through: given, shared through the run dir, or our own."""
+    from resilient.etcd import EmbeddedEtcd, EtcdClient, EtcdError
+
+    if args.rdzv_endpoint:
+        yield args.rdzv_endpoint
+        return
+    shared = run_dir / "etcd.endpoint"
+    if shared.exists():
+        endpoint = shared.read_text().strip()
+        try:
+            with EtcdClient(endpoint, retry_timeout=timedelta(seconds=1)) as c:
+                c.check(timedelta(seconds=2))
+            yield endpoint
+            return
+        except EtcdError:
+            pass  # a stale file from an ended run: start our own
+    with EmbeddedEtcd() as etcd:
+        shared.write_text(etcd.endpoint)
+        print(f"resilient: embedded etcd at {etcd.endpoint} (other nodes: --rdzv-endpoint {etcd.endpoint} "
+              f"or the same --run-dir)", file=sys.stderr)
+        try:
+            yield etcd.endpoint
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                if shared.read_text().strip() == etcd.endpoint:
+                    shared.unlink()
+
+
+def _rdzv_conf(text: str) -> dict[str, str]:
+    conf = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise LaunchError(f"--rdzv-conf {item!r}: expected key=value")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def _raise_on_signal(signum, frame):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
 def launch(args: argparse.Namespace) -> int:
-    cfg, run_dir, nproc = prepare_run(args)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    cfg, run_dir, nproc, (min_nodes, max_nodes) = prepare_run(args)
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
+    from resilient.agent.agent import ResilientAgent
+    from resilient.agent.api import AgentSettings
+    from resilient.agent.membership import NodeRegistry
+    from resilient.events import EventLog
+    from resilient.rendezvous import client_from_params, register
+
+    lc = cfg.launch
     node = args.node_id or socket.gethostname()
-    os.environ.update(worker_env(cfg, nproc))
-    lc = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"resilient-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"is_host": True},
-        max_restarts=cfg.launch.max_restarts, monitor_interval=cfg.launch.monitor_interval,
-        start_method="spawn",
-    )
-    print(f"resilient: {nproc} workers, layout {cfg.layout(nproc)} (pp, dp, tp), "
+    run_id = args.run_id or "run-" + hashlib.sha1(str(run_dir).encode()).hexdigest()[:10]
+    events = EventLog(run_dir / "events.jsonl", node=node, rank=-1)
+    env = worker_env(nproc)
+    os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"})
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_on_signal)
+    print(f"resilient: node {node}, {nproc} workers, {min_nodes}:{max_nodes} nodes, "
           f"{cfg.model.num_params() / 1e6:.2f}M parameters, run dir {run_dir}", file=sys.stderr)
-    argv = ["-m", "resilient.worker", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir), "--node", node]
-    try:
-        elastic_launch(lc, entrypoint=sys.executable)(*argv)
-    except ChildFailedError as e:
-        raise LaunchError(f"training failed after {cfg.launch.max_restarts} restarts: {e.get_first_failure()[1].message}; "
-                          f"see {run_dir / 'events.jsonl'}") from None
+
+    with etcd_endpoint(args, run_dir) as endpoint:
+        register()
+        conf = {"last_call_timeout": lc.last_call_timeout, "keep_alive_interval": lc.keep_alive_interval,
+                "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, **_rdzv_conf(args.rdzv_conf)}
+        params = RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id=run_id,
+                                      min_nodes=min_nodes, max_nodes=max_nodes, **conf)
+        handler = rendezvous_handler_registry.create_handler(params)
+        client = client_from_params(params)
+        registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
+        registry.register()
+        settings = AgentSettings(
+            node_id=node, run_dir=str(run_dir), min_nodes=min_nodes, max_nodes=max_nodes,
+            nproc_per_node=nproc, spares=nproc if lc.spares < 0 else lc.spares,
+            max_restarts=lc.max_restarts, domain=args.domain,
+            monitor_interval=timedelta(seconds=lc.monitor_interval),
+            heartbeat_timeout=timedelta(seconds=lc.heartbeat_timeout),
+            startup_timeout=timedelta(seconds=lc.startup_timeout),
+            lease_ttl=timedelta(seconds=lc.node_lease_ttl),
+            preemption_grace=timedelta(seconds=lc.preemption_grace),
+            worker_argv=["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir), "--node", node],
+            worker_env=env,
+        )
+        spec = WorkerSpec(role="trainer", local_world_size=nproc, rdzv_handler=handler,
+                          entrypoint=sys.executable, args=(), max_restarts=lc.max_restarts,
+                          monitor_interval=lc.monitor_interval)
+        agent = ResilientAgent(spec, settings, registry, events)
+        events.emit("agent_start", run_id=run_id, endpoint=endpoint, nnodes=[min_nodes, max_nodes], nproc=nproc)
+        try:
+            result = agent.run()
+        except SignalException as e:
+            return 128 + int(e.sigval)
+        finally:
+            client.close()
+        if result is None:  # the rendezvous was closed: the job ended elsewhere
+            return 0
+        if result.is_failed():
+            first = next(iter(result.failures.values()), None)
+            raise LaunchError(f"training failed after {lc.max_restarts} restarts"
+                              f"{f' (local rank {first.local_rank} exit code {first.exitcode})' if first else ''}; "
+                              f"see {run_dir / 'events.jsonl'}")
+        handler.shutdown()
     return 0

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from resilient.agent.heartbeat import HeartbeatWriter
 from resilient.config import Config
 from resilient.data import TokenCorpus, ensure_corpus
 from resilient.events import EventLog
@@ -93,6 +94,7 @@ class Trainer:
         self.corpus = TokenCorpus(corpus_path or Path(cfg.data.path).expanduser(), cfg.train.seq_len,
                                   cfg.train.seed, cfg.data.val_fraction)
         self.corpus.check_vocab(cfg.model.vocab_size, cfg.source)
+        self.heartbeat = HeartbeatWriter.from_env()
         self.step = 0  # the next step to run; also the data position / global_batch
         self.progress = ProgressLine(cfg.train.steps, every=cfg.train.log_every) if self.rank == 0 else None
         peak = cfg.train.peak_tflops or device_peak_tflops(self.device.type)
@@ -157,8 +159,10 @@ class Trainer:
         self.events.emit("run_start", layout=self.layout.as_dict(), start_step=self.step,
                          config_digest=cfg.digest(), params=cfg.model.num_params(),
                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
+        self.heartbeat.beat()
         while self.step < cfg.train.steps:
             result = self.train_step()
+            self.heartbeat.beat()
             self._log_step(result)
             if cfg.train.eval_every and result.step % cfg.train.eval_every == 0:
                 val = self.evaluate()

@@ -43,7 +43,8 @@ def run_launch(config: str | Path, run_dir: Path, overrides: list[str], nproc: i
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict]:
-    evs = list(read_events(run_dir / "events.jsonl"))
+    path = run_dir / "events.jsonl"
+    evs = list(read_events(path)) if path.exists() else []
     return [e for e in evs if kind is None or e["event"] == kind]
 
 
@@ -55,3 +56,74 @@ def losses(run_dir: Path) -> dict[int, float]:
 def digests(run_dir: Path) -> dict[int, str]:
     """rank → parameter digest at the end of the run."""
     return {e["rank"]: e["param_digest"] for e in events(run_dir, "run_end")}
+
+
+class Agent:
+    """One `resilient launch` agent (a simulated node) as a subprocess in its
+    own session, so the whole node — agent and workers — can be killed."""
+
+    def __init__(self, config: str | Path, run_dir: Path, overrides: list[str], node_id: str,
+                 nnodes: str = "1", endpoint: str | None = None, nproc: int | None = None,
+                 extra_args: list[str] | None = None):
+        cmd = [sys.executable, "-m", "resilient.cli", "launch", str(config), "--run-dir", str(run_dir),
+               "--node-id", node_id, "--nnodes", nnodes]
+        if endpoint:
+            cmd += ["--rdzv-endpoint", endpoint]
+        if nproc:
+            cmd += ["--nproc-per-node", str(nproc)]
+        for o in overrides:
+            cmd += ["--set", o]
+        cmd += extra_args or []
+        self.node_id = node_id
+        self.log = open(run_dir.parent / f"agent-{run_dir.name}-{node_id}.log", "w+")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent {self.node_id} still running after {timeout}s:\n{self.output()[-3000:]}")
+
+    def kill_node(self) -> None:
+        """kill -9 the agent and every process of its node."""
+        import signal as _signal
+
+        try:
+            os.killpg(self.proc.pid, _signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        self.kill_node()
+        self.log.close()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    """Poll ``predicate`` until it returns a truthy value; fail naming ``what``."""
+    import time as _time
+
+    deadline = _time.monotonic() + timeout
+    while _time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        _time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def worker_pids(run_dir: Path, node: str | None = None) -> dict[int, int]:
+    """local rank → pid of the newest workers started (by any agent, or by ``node``)."""
+    started = [e for e in events(run_dir, "workers_started") if node is None or e["node"] == node]
+    return dict(zip(started[-1]["local_ranks"], started[-1]["pids"])) if started else {}
+
+
+def steps_done(run_dir: Path) -> int:
+    done = [e["step"] for e in events(run_dir, "step") if e["rank"] == 0]
+    return max(done, default=0)

@@ -1,0 +1,276 @@
+"""Drive a planned campaign against a running job, then judge it.
+
+The runner (``resilient chaos run``) owns the job: it launches the agents and
+knows their pids, the etcd members, the network lab and proxies. It exposes
+them through :class:`JobHandles`; this module turns each
+:class:`~.scenario.PlannedFault` into an :class:`~.injectors.Injector`
+(:func:`make_injector`), fires it at its step or time while the job runs
+(:class:`FaultDriver`, which tails the job's event logs), records every
+injection in ``RUN_DIR/chaos/events.jsonl``, and after the run computes every
+property and writes ``results.json`` (:func:`evaluate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol
+
+from resilient.events import EventLog
+
+from .disk import FillDisk
+from .injectors import (
+    Action, ControlRequest, EtcdMemberLoss, HangProcess, InjectionFailed, InjectionRecord, Injector, KillProcess, Member,
+    Preempt, emit_record,
+)
+from .netns import LinkCut, NetLab, PacketLoss, Partition
+from .properties import (
+    PropertyResult, commit_exactly_once, final_state_equal, no_committed_step_lost, no_leaks, recovery_within_bounds,
+    training_completed,
+)
+from .proxy import ProxyFault, TcpProxy
+from .report import failed_record, write_results
+from .scenario import PlannedFault, Scenario, as_dict
+from .timeline import EventTail, episodes, load_timeline
+
+
+class JobHandles(Protocol):
+    """What the runner knows about the running job (duck-typed)."""
+
+    run_dir: Path
+    control_dir: Path                  # where ControlRequest files go (bitflip, storage-flaky)
+    etcd_members: list[Member | int]
+    netlab: NetLab | None              # topology.network = "netns"
+    proxies: dict[str, TcpProxy]       # "etcd" / "rendezvous" → proxy in front of it
+    durable_path: Path | None          # a SmallVolume's path, for disk-full
+
+    def rank_pid(self, rank: int) -> int: ...
+    def node_pid(self, node: int) -> int: ...          # the node's agent
+    def node_shm(self, node: int) -> list[str]: ...    # its /dev/shm entries
+    def node_alive(self, node: int) -> bool: ...
+    def stop_node(self, node: int) -> Any: ...         # graceful leave (scale-down)
+    def start_node(self, node: int) -> Any: ...        # join (scale-up)
+
+
+class Unavailable(Injector):
+    """A fault this job cannot carry (no network lab, no small volume):
+    reported as skipped with the reason, never as injected."""
+
+    def __init__(self, kind: str, reason: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.kind, self.reason = kind, reason
+
+    def preflight(self) -> str | None:
+        return self.reason
+
+    def _inject(self) -> str:  # never reached: preflight always skips
+        raise InjectionFailed(self.reason)
+
+
+def make_injector(f: PlannedFault, job: JobHandles) -> Injector:
+    """The injector for one planned fault; pids are resolved when it fires."""
+    p, t = f.params, f.target
+    kw = dict(target=str(t), fault_id=f.fault_id)
+    k = f.kind
+    if k == "kill-worker":
+        return KillProcess(lambda: job.rank_pid(t.index), **kw)
+    if k == "kill-node":
+        shm = (lambda: job.node_shm(t.index)) if p.remove_shm else ()
+        return KillProcess(lambda: job.node_pid(t.index), tree=True, shm_paths=shm, **kw)
+    if k == "hang":
+        src = (lambda: job.rank_pid(t.index)) if t.scope == "rank" else (lambda: job.node_pid(t.index))
+        return HangProcess(src, tree=p.tree or t.scope == "node", **kw)
+    if k == "preemption":
+        grace = timedelta(seconds=p.grace_seconds)
+        if t.scope == "rank":
+            return Preempt(lambda: job.rank_pid(t.index), grace=grace, **kw)
+        if t.scope == "all":
+            return Preempt(lambda: [job.node_pid(n) for n in range(_nodes(job)) if job.node_alive(n)], grace=grace, tree=True, **kw)
+        return Preempt(lambda: job.node_pid(t.index), grace=grace, tree=True, **kw)
+    if k in ("partition", "link-cut", "packet-loss"):
+        if job.netlab is None:
+            return Unavailable(k, "the job runs without a network lab (topology.network = 'netns' and root needed)", **kw)
+        if k == "partition":
+            return Partition(job.netlab, t.index, **kw)
+        if k == "link-cut":
+            return LinkCut(job.netlab, t.index, t.other, **kw)
+        return PacketLoss(job.netlab, t.index, p.probability, peer=t.other, **kw)
+    if k in ("delay", "bandwidth", "reset"):
+        proxy = job.proxies.get(t.scope)
+        if proxy is None:
+            return Unavailable(k, f"no TCP proxy in front of {t.scope}", **kw)
+        return ProxyFault(proxy, k, delay=timedelta(milliseconds=p.delay_ms), bytes_per_second=p.bytes_per_second, refuse_new=p.refuse_new, **kw)
+    if k == "etcd-loss":
+        members = job.etcd_members
+        if not members:
+            return Unavailable(k, "no etcd members known to the runner", **kw)
+        chosen = [members[(t.index + i) % len(members)] for i in range(p.members)]
+        return EtcdMemberLoss(chosen, **kw)
+    if k in ("storage-flaky", "bitflip"):
+        params = dataclasses.asdict(p)
+        if k == "bitflip":
+            params["rank"] = t.index
+        return ControlRequest(k, job.control_dir, job.run_dir, params=params, **kw)
+    if k == "disk-full":
+        if job.durable_path is None:
+            return Unavailable(k, "the durable tier is not on a small volume (SmallVolume needs root)", **kw)
+        return FillDisk(job.durable_path, **kw)
+    if k == "scale-down":
+        return Action(k, do=lambda: job.stop_node(t.index), check=lambda: not job.node_alive(t.index), settle=timedelta(seconds=60), **kw)
+    if k == "scale-up":
+        return Action(k, do=lambda: job.start_node(t.index), check=lambda: job.node_alive(t.index), settle=timedelta(seconds=60), **kw)
+    raise ValueError(f"no injector for fault kind {k!r}")
+
+
+def _nodes(job: JobHandles) -> int:
+    return getattr(job, "nodes", 0) or (len(job.netlab.namespaces) if job.netlab else 0)
+
+
+def fault_duration(f: PlannedFault) -> timedelta | None:
+    """How long a fault lasts before ``clear()``; None = cleared at the end."""
+    p = f.params
+    if f.kind == "preemption":
+        return timedelta(seconds=p.grace_seconds)
+    seconds = getattr(p, "seconds", None)
+    if seconds is None:
+        return timedelta(0)  # instantaneous: clear() just closes the record
+    return timedelta(seconds=seconds) if seconds > 0 else None
+
+
+class FaultDriver:
+    """Fires planned faults at their step or time, clears them when their
+    duration ends, and logs every record to ``RUN_DIR/chaos/events.jsonl``.
+
+    Time triggers count from the first ``step`` event (training started).
+    Run it in a thread (:meth:`start` / :meth:`stop`) or call :meth:`tick`
+    from the runner's own loop. An injection that raises is recorded as
+    ``failed`` (and fails the campaign); the driver goes on with the rest.
+    """
+
+    def __init__(self, plan: Iterable[PlannedFault], job: JobHandles, *, poll: timedelta = timedelta(milliseconds=200),
+                 build: Callable[[PlannedFault, JobHandles], Injector] = make_injector) -> None:
+        self.pending = list(plan)
+        self.job, self.poll, self.build = job, poll, build
+        self.tail = EventTail(job.run_dir)
+        self.log = EventLog(Path(job.run_dir) / "chaos" / "events.jsonl", node="chaos", rank=-1)
+        self.records: list[InjectionRecord] = []
+        self.active: list[tuple[float | None, Injector]] = []  # (clear at, injector)
+        self.max_step = -1
+        self.started_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _due(self, f: PlannedFault, now: float) -> bool:
+        if f.at_step is not None:
+            return self.max_step >= f.at_step
+        return self.started_at is not None and now - self.started_at >= f.at.total_seconds()
+
+    def tick(self, now: float | None = None) -> None:
+        with self._lock:
+            for e in self.tail.poll():
+                if e.get("event") == "step":
+                    self.max_step = max(self.max_step, int(e.get("step", -1)))
+                    if self.started_at is None:
+                        self.started_at = e.get("time", time.time())
+            now = time.time() if now is None else now
+            for f in [f for f in self.pending if self._due(f, now)]:
+                self.pending.remove(f)
+                self._fire(f)
+            for item in [a for a in self.active if a[0] is not None and a[0] <= time.time()]:
+                self.active.remove(item)
+                self._clear(item[1])
+
+    def _fire(self, f: PlannedFault) -> None:
+        try:
+            inj = self.build(f, self.job)
+            rec = inj.inject()
+        except Exception as e:  # InjectionFailed, or a bug in a handle: either fails the campaign
+            rec = failed_record(f.kind, str(f.target), f.fault_id, e)
+            self.records.append(rec)
+            emit_record(self.log, rec)
+            return
+        self.records.append(rec)
+        emit_record(self.log, rec)
+        if rec.status == "injected":
+            d = fault_duration(f)
+            self.active.append((None if d is None else time.time() + d.total_seconds(), inj))
+
+    def _clear(self, inj: Injector) -> None:
+        try:
+            rec = inj.clear()
+        except Exception as e:
+            rec = failed_record(inj.kind, inj.target, inj.fault_id, e)
+            rec.detail = "clear failed: " + rec.detail
+            self.records.append(rec)
+        if rec is not None:
+            emit_record(self.log, rec, cleared=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll.total_seconds()):
+            self.tick()
+
+    def start(self) -> "FaultDriver":
+        self._thread = threading.Thread(target=self._loop, name="chaos-driver", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: timedelta = timedelta(seconds=60)) -> list[InjectionRecord]:
+        """Stop firing, clear every active fault (even never-ending ones),
+        and return the records. Faults never reached stay unfired; the
+        report lists the fired ones only."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout.total_seconds())
+        with self._lock:
+            for _, inj in self.active:
+                self._clear(inj)
+            self.active.clear()
+        self.log.close()
+        return self.records
+
+
+def evaluate(sc: Scenario, run_dir: str | Path, records: list[InjectionRecord], *, reference: Any = None, actual: Any = None,
+             diff: Callable[[Any, Any], float] | None = None, leaks: dict | None = None,
+             expected_commits: dict | None = None, extra: dict | None = None) -> list[PropertyResult]:
+    """Compute the scenario's properties on the finished run and write
+    ``results.json``. ``reference``/``actual`` are final-state digests (or
+    whatever ``diff`` compares); ``leaks`` are :func:`no_leaks` keyword
+    arguments (shm_prefix, ports, mounts, labs)."""
+    pr = sc.properties
+    tl = load_timeline(run_dir)
+    eps = episodes(tl)
+    bounds = {f.fault_id: f.recovery_bound for f in sc.plan()}
+    out: list[PropertyResult] = []
+    if pr.no_committed_step_lost:
+        out.append(no_committed_step_lost(tl, pr.surviving_tiers))
+    if pr.commit_exactly_once:
+        out.append(commit_exactly_once(tl, expected_commits))
+    out.append(recovery_within_bounds(eps, bounds, default=timedelta(seconds=pr.recovery_bound_seconds)))
+    if pr.training_completes:
+        steps = _train_steps(sc)
+        out.append(training_completed(tl, steps) if steps is not None else
+                   PropertyResult("training_completed", False, f"cannot read train.steps from {sc.training.config} or the overrides"))
+    if pr.final_state != "skip":
+        out.append(final_state_equal(reference, actual, diff=diff if pr.final_state == "tolerance" else None, tolerance=pr.tolerance))
+    if pr.no_leaks:
+        out.append(no_leaks(run_dir, **(leaks or {})))
+    write_results(run_dir, scenario=as_dict(sc), properties=out, injections=records, extra=extra)
+    return out
+
+
+def _train_steps(sc: Scenario) -> int | None:
+    """train.steps after the scenario's overrides (None if unknown here)."""
+    for item in reversed(sc.training.overrides):
+        key, _, val = item.partition("=")
+        if key.strip() == "train.steps":
+            return int(val)
+    from resilient.config import load_config
+    from resilient.errors import ConfigError
+    try:
+        return load_config(sc.training.config).train.steps
+    except ConfigError:
+        return None

@@ -1,0 +1,247 @@
+"""The properties a chaos run must satisfy, as pure functions of its timeline.
+
+Each check returns a :class:`PropertyResult` with a detail that names the
+offending events, so a failed campaign says *what* went wrong, not just that
+something did. Definitions (the events are those of resilient.events):
+
+* **no committed step lost** — for every ``restore`` (and every restart that
+  skipped restoring), let F be the newest fault before it (a harness
+  ``fault_injected``, else a runtime ``failure``; with neither, a resume at
+  start, which only the durable tier must survive). Let C be the newest step
+  committed, before F, at a tier that survives F's kind
+  (:data:`SURVIVING_TIERS`). The restore's step must be ≥ C: the run never
+  retrains from a point older than work it had already made safe.
+* **commit exactly once** — no (tier, step) is committed twice, except when a
+  restore to an *earlier* step came between the two commits (that version
+  was lost with its tier and legitimately recomputed); optionally every
+  expected (tier, step) is committed.
+* **recovery bounded** — for each fault whose episode includes a restore (or
+  whose kind always needs one), the time from ``fault_injected`` to the first
+  ``step`` after the restore is at most the bound.
+* **final state** — the faulted run's final parameters equal the reference's
+  (digests), or differ by at most a tolerance (a ``diff`` function).
+* **no leaks** — after the run, no process mentions the run directory, no
+  ``/dev/shm`` entry carries the job's prefix, no listed port is listening,
+  no listed mount is mounted, no network lab is left.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import psutil
+
+from .timeline import NOT_INJECTED, Episode, faults, tier_of
+
+ALL_TIERS = ("local", "peer", "durable")
+
+# Which tiers still hold their committed versions after each fault kind.
+SURVIVING_TIERS: dict[str, tuple[str, ...]] = {
+    "kill-worker": ALL_TIERS,
+    "hang": ALL_TIERS,
+    "kill-node": ("peer", "durable"),
+    "preemption": ("peer", "durable"),
+    "partition": ("peer", "durable"),
+    "link-cut": ALL_TIERS,
+    "packet-loss": ALL_TIERS,
+    "delay": ALL_TIERS,
+    "bandwidth": ALL_TIERS,
+    "reset": ALL_TIERS,
+    "etcd-loss": ALL_TIERS,
+    "storage-flaky": ALL_TIERS,
+    "disk-full": ALL_TIERS,
+    # A flip taints the versions committed after it: a rollback to an older
+    # version is the correct response, so no tier binds the restore.
+    "bitflip": (),
+    "scale-down": ("peer", "durable"),
+    "scale-up": ALL_TIERS,
+    "failure": ("durable",),  # a failure the harness did not cause
+    "start": ("durable",),    # a resume at launch
+}
+
+# Fault kinds after which the job must restore (its processes died).
+MUST_RESTORE = frozenset({"kill-worker", "kill-node", "preemption"})
+
+
+@dataclass
+class PropertyResult:
+    name: str
+    ok: bool
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PropertyResult":
+        return cls(str(d["name"]), bool(d["ok"]), str(d.get("detail", "")))
+
+
+def _who(e: dict) -> str:
+    return f"node {e.get('node')} rank {e.get('rank')} at t={e.get('time', 0):.3f}"
+
+
+def _cause(timeline: list[dict], t: float) -> tuple[str, float | None]:
+    """The fault kind (or 'failure'/'start') governing an event at time t."""
+    fs = [f for f in faults(timeline) if f["time"] <= t and f.get("status") not in NOT_INJECTED]
+    if fs:
+        return str(fs[-1].get("fault", "failure")), fs[-1]["time"]
+    fails = [e for e in timeline if e.get("event") == "failure" and e["time"] <= t]
+    if fails:
+        return "failure", fails[-1]["time"]
+    return "start", None
+
+
+def _committed_before(timeline: list[dict], t: float | None, tiers: Iterable[str]) -> int | None:
+    tiers = set(tiers)
+    steps = [e["step"] for e in timeline if e.get("event") == "commit" and tier_of(e) in tiers
+             and (t is None or e["time"] <= t) and "step" in e]
+    return max(steps) if steps else None
+
+
+def no_committed_step_lost(timeline: list[dict], surviving_tiers: Mapping[str, Iterable[str]] | None = None) -> PropertyResult:
+    tiers_of = {**SURVIVING_TIERS, **{k: tuple(v) for k, v in (surviving_tiers or {}).items()}}
+    bad: list[str] = []
+    checked = 0
+    pending: dict[tuple, float] = {}  # (node, rank) -> run_start awaiting its first step
+    for e in timeline:
+        ev, node, rank = e.get("event"), e.get("node"), e.get("rank")
+        if ev == "restore":
+            # A restore by the worker itself or by its node's agent covers it.
+            for key in [k for k in pending if k[0] == node and (rank in (-1, None) or k[1] == rank)]:
+                del pending[key]
+            kind, t_fault = _cause(timeline, e["time"])
+            # A resume at start is bound by the durable commits before it.
+            c = _committed_before(timeline, t_fault if t_fault is not None else e["time"], tiers_of.get(kind, ("durable",)))
+            checked += 1
+            step = e.get("step")
+            if c is not None and (step is None or step < c):
+                bad.append(f"restore to step {step} from tier {e.get('tier')} ({_who(e)}) after {kind}, but step {c} was committed before it at a tier that survives {kind}")
+        elif ev == "run_start":
+            pending[(node, rank)] = e["time"]
+        elif ev == "step" and (node, rank) in pending:
+            kind, t_fault = _cause(timeline, pending.pop((node, rank)))
+            if t_fault is None:
+                continue  # the run's first start: nothing to lose yet
+            c = _committed_before(timeline, t_fault, tiers_of.get(kind, ("durable",)))
+            checked += 1
+            if c is not None and e.get("step", 0) <= c:
+                bad.append(f"{_who(e)} restarted after {kind} without a restore and trained step {e.get('step')}, but step {c} was committed")
+    if bad:
+        return PropertyResult("no_committed_step_lost", False, "; ".join(bad))
+    return PropertyResult("no_committed_step_lost", True, f"{checked} restore(s)/restart(s) checked")
+
+
+def commit_exactly_once(timeline: list[dict], expected: Mapping[str, Iterable[int]] | None = None) -> PropertyResult:
+    seen: dict[tuple[str, int], float] = {}
+    bad: list[str] = []
+    restores = [e for e in timeline if e.get("event") in ("restore", "rollback")]
+    n = 0
+    for e in timeline:
+        if e.get("event") != "commit":
+            continue
+        n += 1
+        key = (tier_of(e), int(e.get("step", -1)))
+        if key in seen:
+            prev = seen[key]
+            redo = [r for r in restores if prev < r["time"] <= e["time"] and r.get("step") is not None and r["step"] < key[1]]
+            if not redo:
+                bad.append(f"step {key[1]} committed twice at tier {key[0]} (t={prev:.3f} and t={e['time']:.3f}) with no restore to an earlier step between")
+        seen[key] = e["time"]
+    for tier, steps in (expected or {}).items():
+        missing = sorted(s for s in steps if (tier, s) not in seen)
+        if missing:
+            bad.append(f"tier {tier}: steps {missing} were never committed")
+    if bad:
+        return PropertyResult("commit_exactly_once", False, "; ".join(bad))
+    return PropertyResult("commit_exactly_once", True, f"{n} commit(s), {len(seen)} distinct (tier, step)")
+
+
+def recovery_within_bounds(eps: list[Episode], bound: timedelta | Mapping[str, timedelta],
+                           default: timedelta = timedelta(seconds=60), must_restore: Iterable[str] = MUST_RESTORE) -> PropertyResult:
+    must = set(must_restore)
+    bad, ok = [], []
+    for ep in eps:
+        if ep.status in NOT_INJECTED:
+            continue
+        limit = bound if isinstance(bound, timedelta) else bound.get(ep.fault_id, bound.get(ep.kind, default))
+        if ep.restored_at is None:
+            if ep.kind in must:
+                bad.append(f"{ep.fault_id} ({ep.kind}): never restored")
+            continue
+        if ep.recovered_at is None:
+            bad.append(f"{ep.fault_id} ({ep.kind}): restored at step {ep.restore_step} but never trained a step after")
+        elif ep.recovery_seconds > limit.total_seconds():
+            bad.append(f"{ep.fault_id} ({ep.kind}): recovery took {ep.recovery_seconds:.1f} s > bound {limit.total_seconds():.1f} s")
+        else:
+            ok.append(f"{ep.fault_id} {ep.recovery_seconds:.1f} s")
+    if bad:
+        return PropertyResult("recovery_within_bounds", False, "; ".join(bad))
+    return PropertyResult("recovery_within_bounds", True, ", ".join(ok) or "no recovery needed")
+
+
+def final_state_equal(reference: Any, actual: Any, diff: Callable[[Any, Any], float] | None = None, tolerance: float = 0.0) -> PropertyResult:
+    """``reference``/``actual``: parameter digests, or whatever ``diff``
+    compares (returning the max absolute difference)."""
+    name = "final_state_equal"
+    if reference is None or actual is None:
+        return PropertyResult(name, False, f"missing final state (reference={reference is not None}, run={actual is not None})")
+    if diff is None:
+        ok = reference == actual
+        return PropertyResult(name, ok, "bitwise equal" if ok else f"digests differ: reference {reference!s:.16} vs run {actual!s:.16}")
+    d = float(diff(reference, actual))
+    ok = d <= tolerance
+    return PropertyResult(name, ok, f"max |Δ| = {d:.3g} {'≤' if ok else '>'} tolerance {tolerance:.3g}")
+
+
+def training_completed(timeline: list[dict], steps: int) -> PropertyResult:
+    reached = max((e.get("step", 0) for e in timeline if e.get("event") in ("step", "run_end")), default=0)
+    ok = reached >= steps
+    return PropertyResult("training_completed", ok, f"reached step {reached} of {steps}")
+
+
+def no_leaks(run_dir: str | os.PathLike, *, shm_prefix: str | None = None, ports: Iterable[int] = (), mounts: Iterable[str | os.PathLike] = (),
+             labs: Iterable[Any] = (), exclude_pids: Iterable[int] = (), shm_dir: str = "/dev/shm") -> PropertyResult:
+    """Leftovers of a finished run; ``labs`` are :class:`~.netns.NetLab`s."""
+    needle = str(Path(run_dir).resolve())
+    # The runner and its ancestors (a shell, CI) name the run dir in their
+    # command lines too; they are not leaks.
+    skip = {os.getpid(), *exclude_pids, *(p.pid for p in psutil.Process().parents())}
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except (psutil.Error, TypeError):
+            continue
+        if p.info["pid"] not in skip and (needle in cmd or str(run_dir) in cmd):
+            left.append(f"process {p.info['pid']} ({cmd[:80]})")
+    if shm_prefix:
+        try:
+            left += [f"{shm_dir}/{n}" for n in os.listdir(shm_dir) if n.startswith(shm_prefix)]
+        except FileNotFoundError:
+            pass
+    ports = set(ports)
+    if ports:
+        for c in psutil.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports:
+                left.append(f"port {c.laddr.port} listening (pid {c.pid})")
+    left += [f"mount {m}" for m in mounts if os.path.ismount(m)]
+    for lab in labs:
+        left += [f"netns/link {x}" for x in lab.leftovers()]
+    if left:
+        return PropertyResult("no_leaks", False, "; ".join(left))
+    return PropertyResult("no_leaks", True, "no processes, shm entries, ports, mounts or namespaces left")
+
+
+def check_timeline(timeline: list[dict], eps: list[Episode], *, surviving_tiers: Mapping[str, Iterable[str]] | None = None,
+                   bound: timedelta | Mapping[str, timedelta] = timedelta(seconds=60), steps: int | None = None) -> list[PropertyResult]:
+    """The properties that need only the timeline (what ``report`` can
+    recompute for a run directory without results.json)."""
+    out = [no_committed_step_lost(timeline, surviving_tiers), commit_exactly_once(timeline), recovery_within_bounds(eps, bound)]
+    if steps is not None:
+        out.append(training_completed(timeline, steps))
+    return out

@@ -1,0 +1,194 @@
+"""The campaign report: markdown summary + PNG timeline, and the verdict.
+
+A run directory holds every process's ``events.jsonl`` and the runner's
+``results.json`` (:func:`write_results`: the property verdicts that need live
+information — final-state digests, leak checks — and the injection records).
+:func:`report` reads both, writes ``report.md`` and ``timeline.png`` next to
+them, and returns the exit code: 0 only when every property holds and no
+injection failed. Without ``results.json`` the timeline-only properties are
+recomputed, so any recorded run can be judged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterable
+
+from .injectors import InjectionRecord
+from .properties import PropertyResult, check_timeline
+from .timeline import NOT_INJECTED, Episode, episodes, load_timeline, tier_of
+
+RESULTS = "results.json"
+REPORT_MD = "report.md"
+TIMELINE_PNG = "timeline.png"
+
+
+def write_results(run_dir: str | os.PathLike, *, scenario: str | dict, properties: Iterable[PropertyResult],
+                  injections: Iterable[InjectionRecord | dict] = (), extra: dict | None = None) -> Path:
+    """Write ``RUN_DIR/results.json`` atomically (the runner calls this last)."""
+    body = {
+        "scenario": scenario,
+        "written_at": time.time(),
+        "properties": [p.to_dict() for p in properties],
+        "injections": [i if isinstance(i, dict) else i.event_fields() for i in injections],
+        **(extra or {}),
+    }
+    path = Path(run_dir) / RESULTS
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=2, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def failed_record(kind: str, target: str, fault_id: str, error: BaseException) -> InjectionRecord:
+    """The record of an injection that raised: reported, and fails the run."""
+    return InjectionRecord(kind, target, "failed", fault_id, time.time(), detail=f"{type(error).__name__}: {error}")
+
+
+def _rel(t: float | None, t0: float) -> str:
+    return "—" if t is None else f"{t - t0:+.2f} s"
+
+
+def _esc(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(name: str, timeline: list[dict], eps: list[Episode], props: list[PropertyResult],
+                    injections: list[dict], png: str | None = TIMELINE_PNG) -> str:
+    ok = verdict(props, injections)
+    t0 = timeline[0]["time"] if timeline else 0.0
+    t1 = timeline[-1]["time"] if timeline else 0.0
+    steps = [e["step"] for e in timeline if e.get("event") == "step" and "step" in e]
+    lines = [
+        f"# Chaos report: {name} — {'PASS' if ok else 'FAIL'}",
+        "",
+        f"- events: {len(timeline)} over {t1 - t0:.1f} s; last step {max(steps) if steps else '—'}",
+        f"- faults injected: {sum(1 for i in injections if i.get('status') in ('injected', 'cleared'))}, "
+        f"skipped: {sum(1 for i in injections if i.get('status') == 'skipped')}, "
+        f"failed to inject: {sum(1 for i in injections if i.get('status') == 'failed')}",
+        "",
+        "## Properties",
+        "",
+        "| property | verdict | detail |",
+        "| --- | --- | --- |",
+    ]
+    if not props:
+        lines.append("| (none checked) | FAIL | a run with no property checked proves nothing |")
+    lines += [f"| {p.name} | {'PASS' if p.ok else '**FAIL**'} | {_esc(p.detail)} |" for p in props]
+    lines += [
+        "",
+        "## Faults",
+        "",
+        "Times are relative to the first event. Recovery = fault → first step after the restore.",
+        "",
+        "| fault | kind | target | status | injected at | detected at | restored at | recovered at | recovery | steps lost | tier |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for ep in eps:
+        rec = "—" if ep.recovery_seconds is None else f"{ep.recovery_seconds:.2f} s"
+        lost = "—" if ep.steps_lost is None else str(ep.steps_lost)
+        lines.append(f"| {ep.fault_id} | {ep.kind} | {_esc(ep.target)} | {ep.status} | {_rel(ep.injected_at, t0)} | {_rel(ep.detected_at, t0)} | "
+                     f"{_rel(ep.restored_at, t0)} | {_rel(ep.recovered_at, t0)} | {rec} | {lost} | {ep.tier or '—'} |")
+    odd = [i for i in injections if i.get("status") in ("skipped", "failed")]
+    if odd:
+        lines += ["", "## Not injected", "", "| fault | kind | target | status | reason |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {i.get('fault_id')} | {i.get('fault')} | {_esc(i.get('target'))} | **{i.get('status').upper()}** | {_esc(i.get('detail'))} |" for i in odd]
+    by_kind: dict[str, list[Episode]] = {}
+    for ep in eps:
+        if ep.status not in NOT_INJECTED:
+            by_kind.setdefault(ep.kind, []).append(ep)
+    if by_kind:
+        lines += ["", "## Per fault kind", "", "| kind | faults | recovered | mean recovery | max recovery | steps lost |", "| --- | --- | --- | --- | --- | --- |"]
+        for kind, group in sorted(by_kind.items()):
+            recs = [e.recovery_seconds for e in group if e.recovery_seconds is not None]
+            lost = sum(e.steps_lost or 0 for e in group)
+            mean = f"{sum(recs) / len(recs):.2f} s" if recs else "—"
+            mx = f"{max(recs):.2f} s" if recs else "—"
+            lines.append(f"| {kind} | {len(group)} | {len(recs)} | {mean} | {mx} | {lost} |")
+    if png:
+        lines += ["", f"![timeline]({png})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_timeline(timeline: list[dict], eps: list[Episode], path: str | os.PathLike, title: str = "") -> Path:
+    """Step against time per rank; faults (red), restores (▲) and recoveries
+    (green) marked. Uses the Agg backend: no display needed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = timeline[0]["time"] if timeline else 0.0
+    fig, ax = plt.subplots(figsize=(11, 5))
+    series: dict[tuple, list[tuple[float, float]]] = {}
+    nan = float("nan")
+    for e in timeline:
+        key = (e.get("node"), e.get("rank"))
+        if e.get("event") == "step" and "step" in e:
+            series.setdefault(key, []).append((e["time"] - t0, e["step"]))
+        elif e.get("event") in ("run_start", "restore") and series.get(key):
+            series[key].append((nan, nan))  # a restart: do not join across it
+    for (node, rank), pts in sorted(series.items(), key=lambda kv: str(kv[0])):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ".-", ms=3, lw=1, label=f"{node}/r{rank}")
+    commits = [(e["time"] - t0, e["step"]) for e in timeline if e.get("event") == "commit" and tier_of(e) == "durable" and "step" in e]
+    if commits:
+        ax.plot(*zip(*commits), "s", ms=4, mfc="none", color="gray", label="durable commit")
+    seen: set[str] = set()
+
+    def once(label: str) -> str | None:
+        if label in seen:
+            return None
+        seen.add(label)
+        return label
+
+    for ep in eps:
+        color = "gray" if ep.status in NOT_INJECTED else "red"
+        ax.axvline(ep.injected_at - t0, color=color, ls="--", lw=1, label=once("fault" if color == "red" else "fault (not injected)"))
+        ax.annotate(f"{ep.fault_id} {ep.kind}" + (f" ({ep.status})" if ep.status in NOT_INJECTED else ""), (ep.injected_at - t0, 1),
+                    xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7, color=color)
+        if ep.restored_at is not None:
+            ax.plot([ep.restored_at - t0], [ep.restore_step or 0], "^", color="purple", ms=7, label=once("restore (step restored)"))
+        if ep.recovered_at is not None:
+            ax.axvline(ep.recovered_at - t0, color="green", ls=":", lw=1, label=once("recovered"))
+    ax.set_xlabel("time since first event (s)")
+    ax.set_ylabel("step")
+    ax.set_title(title or "training progress under faults")
+    if series or commits or eps:
+        ax.legend(loc="lower right", fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def verdict(props: list[PropertyResult], injections: list[dict]) -> bool:
+    """Pass only when at least one property was checked, all hold, and no
+    injection failed."""
+    return bool(props) and all(p.ok for p in props) and not any(i.get("status") == "failed" for i in injections)
+
+
+def report(run_dir: str | os.PathLike, *, bound: timedelta = timedelta(seconds=60), steps: int | None = None) -> int:
+    """Write report.md and timeline.png for ``run_dir``; return the exit
+    code (0 = every property holds). ``bound``/``steps`` are used only when
+    results.json is absent and the timeline properties are recomputed."""
+    run_dir = Path(run_dir)
+    timeline = load_timeline(run_dir)
+    eps = episodes(timeline)
+    res_path = run_dir / RESULTS
+    if res_path.exists():
+        results = json.loads(res_path.read_text())
+        props = [PropertyResult.from_dict(p) for p in results.get("properties", [])]
+        injections = list(results.get("injections", []))
+        scen = results.get("scenario", run_dir.name)
+        name = scen.get("name", run_dir.name) if isinstance(scen, dict) else str(scen)
+    else:
+        props = check_timeline(timeline, eps, bound=bound, steps=steps)
+        injections = [{k: e.get(k) for k in ("fault_id", "fault", "target", "status", "detail")}
+                      for e in timeline if e.get("event") == "fault_injected" and "request" not in e]
+        name = run_dir.name
+    plot_timeline(timeline, eps, run_dir / TIMELINE_PNG, title=name)
+    (run_dir / REPORT_MD).write_text(render_markdown(name, timeline, eps, props, injections))
+    return 0 if verdict(props, injections) else 1

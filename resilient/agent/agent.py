@@ -1,0 +1,203 @@
+"""The resilient agent: torch's ``SimpleElasticAgent`` with warm workers,
+heartbeats, node liveness and preemption.
+
+torch's agent loop (``SimpleElasticAgent._invoke_run``) stays in charge of the
+life cycle::
+
+    rendezvous → start workers → monitor ─┬─ SUCCEEDED → exit barrier → done
+          ▲                               ├─ FAILED / UNHEALTHY → restart (counted)
+          └───────────────────────────────┴─ nodes waiting → restart (scale up)
+
+This class supplies the four hooks it leaves abstract and adds:
+
+- ``_start_workers`` hands each local rank a *warm* process (torch already
+  imported) from :class:`~.pool.WarmPool`, so a restart costs a pipe write;
+- ``_monitor_workers`` reports FAILED on a non-zero exit, UNHEALTHY on a
+  missed heartbeat, and restarts at once (not counted against
+  ``max_restarts``) when another node of the round lost its liveness key;
+- ``_shutdown`` on SIGTERM is a preemption: workers get SIGTERM and a grace
+  period to finish the step and snapshot, then the node leaves the rendezvous
+  and revokes its lease, so the others re-form now instead of after a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    SimpleElasticAgent,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from resilient.agent.api import AgentSettings, FailureKind
+from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
+from resilient.agent.membership import NodeRegistry
+from resilient.agent.pool import WarmPool, WorkerProcess
+from resilient.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+class ResilientAgent(SimpleElasticAgent):
+    def __init__(self, spec: WorkerSpec, settings: AgentSettings, registry: NodeRegistry | None,
+                 events: EventLog, exit_barrier_timeout: timedelta = timedelta(minutes=5)):
+        super().__init__(spec, exit_barrier_timeout=exit_barrier_timeout.total_seconds())
+        self.settings = settings
+        self.registry = registry
+        self.events = events
+        self.pool = WarmPool(settings.spares, settings.worker_env)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"resilient-agent-{settings.node_id}-"))
+        self.heartbeats = HeartbeatMonitor(self._tmp, settings.heartbeat_timeout, settings.startup_timeout)
+        self.procs: dict[int, WorkerProcess] = {}
+        self.round_nodes: set[str] = set()
+        self._next_membership_check = 0.0
+        self._round = 0
+
+    # -- rendezvous -----------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        t0 = time.monotonic()
+        super()._rendezvous(worker_group)
+        store, me = worker_group.store, worker_group.group_rank
+        # Publish who we are in this round's store, learn who the others are.
+        store.set(f"resilient/node/{me}", self.settings.node_id)
+        self.round_nodes = {
+            store.get(f"resilient/node/{r}").decode() for r in range(worker_group.group_world_size)
+        }
+        self._round += 1
+        self.events.emit("rendezvous", round=self._round, group_rank=me,
+                         nodes=sorted(self.round_nodes), world=worker_group.workers[0].world_size,
+                         seconds=time.monotonic() - t0)
+
+    # -- workers ----------------------------------------------------------------
+    def _worker_env(self, wg: WorkerGroup, worker) -> dict[str, str]:
+        spec = wg.spec
+        restarts = spec.max_restarts - self._remaining_restarts
+        return {
+            "LOCAL_RANK": str(worker.local_rank), "RANK": str(worker.global_rank),
+            "GROUP_RANK": str(wg.group_rank), "ROLE_RANK": str(worker.role_rank),
+            "ROLE_NAME": spec.role, "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+            "WORLD_SIZE": str(worker.world_size), "GROUP_WORLD_SIZE": str(wg.group_world_size),
+            "ROLE_WORLD_SIZE": str(worker.role_world_size),
+            "MASTER_ADDR": wg.master_addr, "MASTER_PORT": str(wg.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(), "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "RESILIENT_ROUND": str(self._round),
+            HEARTBEAT_ENV: self.heartbeats.path(worker.local_rank),
+        }
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
+        warm = 0
+        for worker in worker_group.workers:
+            wp, was_warm = self.pool.take()
+            warm += was_warm
+            self.heartbeats.reset(worker.local_rank)
+            wp.assign(self._worker_env(worker_group, worker), self.settings.worker_argv)
+            self.procs[worker.local_rank] = wp
+        self.pool.refill_later()
+        self.events.emit("workers_started", round=self._round, local_ranks=sorted(self.procs),
+                         warm=warm, pids=[p.pid for p in self.procs.values()])
+        return {r: p.pid for r, p in self.procs.items()}
+
+    def _stop_workers(self, worker_group: WorkerGroup, sig: int = signal.SIGKILL,
+                      grace: timedelta = timedelta(seconds=0)) -> None:
+        # A restart kills at once: state worth keeping is in the snapshot store
+        # already, and every second spent here is recovery time.
+        for wp in self.procs.values():
+            wp.kill(sig)
+        deadline = time.monotonic() + grace.total_seconds()
+        for wp in self.procs.values():
+            left = max(0.0, deadline - time.monotonic())
+            if sig != signal.SIGKILL and wp.wait(timedelta(seconds=left)) is None:
+                wp.kill(signal.SIGKILL)
+            wp.wait(timedelta(seconds=10))
+        self.procs.clear()
+
+    def _failure(self, wg: WorkerGroup, local_rank: int, wp: WorkerProcess, exitcode: int) -> dict:
+        """torch's RunResult keys failures by global rank."""
+        worker = wg.workers[local_rank]
+        return {worker.global_rank: ProcessFailure(local_rank=local_rank, pid=wp.pid, exitcode=exitcode, error_file="")}
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        failures = {}
+        for local_rank, wp in self.procs.items():
+            code = wp.poll()
+            if code is not None and code != 0:
+                failures.update(self._failure(worker_group, local_rank, wp, code))
+                self.events.emit("failure", kind=FailureKind.EXIT.value, local_rank=local_rank,
+                                 pid=wp.pid, exitcode=code)
+        if failures:
+            return RunResult(state=WorkerState.FAILED, failures=failures)
+        if all(wp.poll() == 0 for wp in self.procs.values()):
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={w.global_rank: None for w in worker_group.workers})
+        for local_rank, wp in self.procs.items():
+            silent = self.heartbeats.silent_for(local_rank) if wp.poll() is None else None
+            if silent is not None:
+                self.events.emit("heartbeat_timeout", local_rank=local_rank, pid=wp.pid,
+                                 seconds_since_beat=silent[0], timeout=silent[1])
+                self.events.emit("failure", kind=FailureKind.HANG.value, local_rank=local_rank, pid=wp.pid)
+                return RunResult(state=WorkerState.UNHEALTHY,
+                                 failures=self._failure(worker_group, local_rank, wp, -signal.SIGKILL))
+        self._check_membership(worker_group)
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _check_membership(self, worker_group: WorkerGroup) -> None:
+        """Restart now if a node of this round is gone (not counted as a failure:
+        losing nodes is what preemptible fleets do)."""
+        now = time.monotonic()
+        if self.registry is None or now < self._next_membership_check:
+            return
+        self._next_membership_check = now + self.settings.lease_ttl.total_seconds() / 3
+        lost = self.registry.lost(self.round_nodes - {self.settings.node_id})
+        if lost:
+            self.events.emit("failure", kind=FailureKind.NODE_LOST.value, nodes=sorted(lost))
+            self.events.emit("membership", nodes_before=sorted(self.round_nodes),
+                             nodes_after=sorted(self.round_nodes - lost))
+            self._restart_workers(worker_group)
+
+    # -- the end -----------------------------------------------------------------
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # SIGTERM while workers still run is a preemption notice; the same
+        # default signal after the workers exited is just the end of run().
+        running = any(p.poll() is None for p in self.procs.values())
+        preempted = death_sig == signal.SIGTERM and running
+        if preempted:
+            self.events.emit("preemption", signal=int(death_sig),
+                             grace_seconds=self.settings.preemption_grace.total_seconds())
+            self._stop_workers(self._worker_group, signal.SIGTERM, self.settings.preemption_grace)
+            self._leave_rendezvous()
+        else:
+            self._stop_workers(self._worker_group, death_sig, timedelta(seconds=timeout))
+        self.pool.close()
+        if self.registry is not None:
+            self.registry.leave()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        reason = "preempted" if preempted else (signal.Signals(death_sig).name if running else "finished")
+        self.events.emit("agent_stop", reason=reason)
+
+    def _leave_rendezvous(self) -> None:
+        """Take this node out of the round's participants now.
+
+        torch's handler only leaves a round as the first step of joining the
+        next one (its "exit" operation), and its ``shutdown()`` closes the
+        rendezvous for every node. A preempted node must do the former alone,
+        so the survivors re-form without waiting for its keep-alive to lapse.
+        """
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+        handler = self._worker_group.spec.rdzv_handler
+        try:
+            handler._stop_heartbeats()
+            handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10.0)
+        except Exception as e:  # best effort: the keep-alive expiry is the fallback
+            log.warning("could not leave the rendezvous cleanly: %s", e)

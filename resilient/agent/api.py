@@ -1,0 +1,59 @@
+"""Types shared by the agent's parts: settings, failures and typed errors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from resilient.errors import ResilientError
+
+
+class AgentError(ResilientError):
+    """The agent cannot run the job (bad --nnodes, no rendezvous, ...)."""
+
+
+class FailureKind(str, enum.Enum):
+    """Why a worker group stopped being healthy.
+
+    EXIT       a worker exited non-zero (exception, kill -9, OOM kill)
+    HANG       a worker sent no heartbeat within the timeout (SIGSTOP, deadlock)
+    NODE_LOST  another node of the round lost its liveness lease
+    """
+
+    EXIT = "exit"
+    HANG = "hang"
+    NODE_LOST = "node_lost"
+
+
+@dataclass
+class AgentSettings:
+    """What one agent needs to know beyond the worker spec. Every timeout a timedelta."""
+
+    node_id: str
+    run_dir: str
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    spares: int = 0                     # warm processes kept beyond the running workers
+    max_restarts: int = 3
+    domain: str = ""                    # failure domain label (rack, zone)
+    monitor_interval: timedelta = timedelta(seconds=0.1)
+    heartbeat_timeout: timedelta = timedelta(seconds=30)
+    startup_timeout: timedelta = timedelta(minutes=5)
+    lease_ttl: timedelta = timedelta(seconds=3)
+    preemption_grace: timedelta = timedelta(seconds=20)
+    worker_argv: list[str] = field(default_factory=list)
+    worker_env: dict[str, str] = field(default_factory=dict)
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"2"`` → (2, 2); ``"1:3"`` → (1, 3)."""
+    try:
+        lo, _, hi = str(value).partition(":")
+        lo_n, hi_n = int(lo), int(hi or lo)
+    except ValueError:
+        raise AgentError(f"--nnodes {value!r}: expected N or MIN:MAX, e.g. --nnodes 1:3") from None
+    if not 1 <= lo_n <= hi_n:
+        raise AgentError(f"--nnodes {value!r}: need 1 ≤ MIN ≤ MAX")
+    return lo_n, hi_n

@@ -1,0 +1,68 @@
+"""Worker heartbeats, so the agent can tell a hung worker from a slow one.
+
+A worker touches its heartbeat file (``os.utime``, no data written) after
+each step; the agent compares the file's mtime with the clock. A worker that
+is stopped (SIGSTOP), deadlocked, or stuck in a collective whose peer is gone
+stops beating and is killed after the timeout. Beats come from the training
+loop itself, not a side thread, so a hung loop cannot keep beating.
+
+Before its first beat a worker is importing, building its model and restoring
+state: that phase gets its own, longer timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+HEARTBEAT_ENV = "RESILIENT_HEARTBEAT_FILE"
+
+
+class HeartbeatWriter:
+    """The worker side. A writer without a path (not under an agent) does nothing."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    @classmethod
+    def from_env(cls) -> "HeartbeatWriter":
+        return cls(os.environ.get(HEARTBEAT_ENV))
+
+    def beat(self) -> None:
+        if self.path:
+            try:
+                os.utime(self.path, None)
+            except FileNotFoundError:
+                Path(self.path).touch()
+
+
+class HeartbeatMonitor:
+    """The agent side: one file per local worker in a private directory."""
+
+    def __init__(self, directory: Path, timeout: timedelta, startup_timeout: timedelta):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.timeout = timeout
+        self.startup_timeout = startup_timeout
+        self._started: dict[int, float] = {}
+
+    def path(self, local_rank: int) -> str:
+        return str(self.dir / f"worker{local_rank}.beat")
+
+    def reset(self, local_rank: int) -> None:
+        """A new worker takes the slot: forget the old one's beats."""
+        p = Path(self.path(local_rank))
+        p.unlink(missing_ok=True)
+        self._started[local_rank] = time.time()
+
+    def silent_for(self, local_rank: int) -> tuple[float, float] | None:
+        """(seconds since the last beat, the timeout that applies), or None if fine."""
+        now = time.time()
+        try:
+            last, limit = os.stat(self.path(local_rank)).st_mtime, self.timeout
+        except FileNotFoundError:
+            last, limit = self._started.get(local_rank, now), self.startup_timeout
+        quiet = now - last
+        return (quiet, limit.total_seconds()) if quiet > limit.total_seconds() else None

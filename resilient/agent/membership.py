@@ -1,0 +1,82 @@
+"""Which nodes are alive: one key per node in etcd, held by a liveness lease.
+
+``/resilient/<run>/nodes/<node>`` holds the node's description (id, failure
+domain, host, pid) and lives exactly as long as the node's lease: an agent
+that dies (or is partitioned from etcd) loses its key ``ttl`` later, and a
+node that leaves on purpose revokes its lease, deleting the key at once.
+Agents compare the nodes of their current rendezvous round with the live
+keys: a member whose key is gone means the round is broken, and the agent
+restarts its workers instead of letting them wait out a collective timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+
+from resilient.etcd import EtcdClient, EtcdError, LivenessLease
+
+log = logging.getLogger(__name__)
+
+
+class NodeRegistry:
+    def __init__(self, client: EtcdClient, run_id: str, node_id: str, domain: str, ttl: timedelta):
+        self.client = client
+        self.prefix = f"/resilient/{run_id}/nodes/"
+        self.node_id = node_id
+        self.info = {"node": node_id, "domain": domain or node_id, "host": socket.gethostname(),
+                     "pid": os.getpid(), "since": time.time()}
+        self.lease = LivenessLease(client, ttl)
+        self._missing: dict[str, int] = {}
+
+    def register(self) -> None:
+        self.client.put(self.prefix + self.node_id, json.dumps(self.info), lease=self.lease.id)
+
+    def alive(self) -> dict[str, dict] | None:
+        """node id → description of every live node; None when etcd is unreachable
+        (unknown is not dead: an etcd outage must not look like a node loss)."""
+        try:
+            kvs = self.client.get_prefix(self.prefix)
+        except EtcdError as e:
+            log.debug("node registry unreachable: %s", e)
+            return None
+        nodes = {}
+        for kv in kvs:
+            try:
+                nodes[kv.key.decode().removeprefix(self.prefix)] = json.loads(kv.value)
+            except (ValueError, UnicodeDecodeError):
+                continue
+        if self.node_id not in nodes:
+            # Our lease lapsed during an outage: put the key back under a fresh one.
+            try:
+                self.register()
+            except EtcdError:
+                pass
+        return nodes
+
+    def lost(self, members: set[str]) -> set[str]:
+        """Members whose key has been missing on two checks in a row (one
+        miss can be a key being re-registered after an etcd restart)."""
+        nodes = self.alive()
+        if nodes is None:
+            return set()
+        gone = set()
+        for m in members:
+            if m in nodes:
+                self._missing.pop(m, None)
+            else:
+                self._missing[m] = self._missing.get(m, 0) + 1
+                if self._missing[m] >= 2:
+                    gone.add(m)
+        return gone
+
+    def leave(self) -> None:
+        """Revoke the lease: our key disappears now, not ``ttl`` later."""
+        try:
+            self.lease.close(revoke=True)
+        except EtcdError as e:
+            log.warning("could not revoke the node lease: %s", e)

@@ -1,0 +1,104 @@
+"""The agent with real processes, a real etcd and real signals: worker
+crashes, hangs, lost nodes, joining nodes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from launchutil import REPO, Agent, events, run_launch, steps_done, tiny_overrides, wait_for, worker_pids
+from resilient.etcd.testing import embedded_etcd
+
+DEMO = REPO / "configs" / "demo.toml"
+pytestmark = pytest.mark.slow
+
+
+def agent_overrides(corpus, steps, **extra):
+    return tiny_overrides(corpus, steps, **{"launch.heartbeat_timeout": 4.0, **extra})
+
+
+@pytest.fixture
+def etcd():
+    with embedded_etcd() as server:
+        yield server
+
+
+def test_worker_kill_is_recovered(corpus, tmp_path, etcd):
+    run = tmp_path / "run"
+    run.mkdir()
+    agent = Agent(DEMO, run, agent_overrides(corpus, 400), "n0", endpoint=etcd.endpoint, nproc=2)
+    try:
+        wait_for(lambda: steps_done(run) >= 3, 120, "the first steps")
+        victim = worker_pids(run)[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: len(events(run, "workers_started")) >= 2, 60, "the restart")
+        started = events(run, "workers_started")
+        assert started[1]["warm"] == 2, "the restart should use the warm spares"
+        fail = [e for e in events(run, "failure") if e["kind"] == "exit"]
+        assert fail and fail[0]["pid"] == victim and fail[0]["exitcode"] == -signal.SIGKILL
+        before = steps_done(run)
+        wait_for(lambda: any(e["time"] > started[1]["time"] for e in events(run, "step")), 60,
+                 "a step after the restart")
+        assert len(events(run, "rendezvous")) >= 2
+    finally:
+        agent.close()
+
+
+def test_hung_worker_is_detected_and_replaced(corpus, tmp_path, etcd):
+    run = tmp_path / "run"
+    run.mkdir()
+    agent = Agent(DEMO, run, agent_overrides(corpus, 400), "n0", endpoint=etcd.endpoint, nproc=2)
+    try:
+        wait_for(lambda: steps_done(run) >= 3, 120, "the first steps")
+        victim = worker_pids(run)[0]
+        os.kill(victim, signal.SIGSTOP)
+        timeout = wait_for(lambda: events(run, "heartbeat_timeout"), 60, "the hang to be detected")[0]
+        assert timeout["pid"] == victim and timeout["seconds_since_beat"] >= 4.0
+        wait_for(lambda: len(events(run, "workers_started")) >= 2, 60, "the replacement")
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        agent.close()
+
+
+def test_node_loss_shrinks_and_a_new_node_grows(corpus, tmp_path, etcd):
+    """Two nodes train; one is killed (agent and workers) → the survivor
+    re-forms alone; a new node joins → the job grows back to two."""
+    run = tmp_path / "run"
+    run.mkdir()
+    over = agent_overrides(corpus, 2000)
+    a = Agent(DEMO, run, over, "a", nnodes="1:2", endpoint=etcd.endpoint, nproc=1)
+    b = Agent(DEMO, run, over, "b", nnodes="1:2", endpoint=etcd.endpoint, nproc=1)
+    c = None
+    try:
+        wait_for(lambda: any(len(e["nodes"]) == 2 for e in events(run, "rendezvous")), 120, "a 2-node round")
+        wait_for(lambda: steps_done(run) >= 3, 120, "the first steps")
+        b.kill_node()
+        wait_for(lambda: any(e["nodes"] == ["a"] and e["node"] == "a" for e in events(run, "rendezvous")),
+                 90, "the survivor to re-form alone")
+        n_steps = len(events(run, "step"))
+        wait_for(lambda: len(events(run, "step")) > n_steps + 2, 90, "steps on one node")
+        assert any(e["layout"]["world"] == 1 for e in events(run, "run_start"))
+        c = Agent(DEMO, run, over, "c", nnodes="1:2", endpoint=etcd.endpoint, nproc=1)
+        wait_for(lambda: any(sorted(e["nodes"]) == ["a", "c"] for e in events(run, "rendezvous")),
+                 120, "the new node to be admitted")
+        wait_for(lambda: any(e["layout"]["world"] == 2 and e["time"] > c_start for e in events(run, "run_start"))
+                 if (c_start := min(e["time"] for e in events(run, "agent_start") if e["node"] == "c")) else False,
+                 120, "training on two nodes again")
+    finally:
+        for agent in (a, b, c):
+            if agent is not None:
+                agent.close()
+
+
+def test_unreachable_etcd_is_a_clear_error(corpus, tmp_path):
+    from resilient.etcd import free_port
+
+    proc = run_launch(DEMO, tmp_path / "run", tiny_overrides(corpus, 1), nproc=1, check=False, timeout=60,
+                      extra_args=["--rdzv-endpoint", f"127.0.0.1:{free_port()}"])
+    assert proc.returncode == 2
+    assert "etcd" in proc.stderr and "127.0.0.1" in proc.stderr
