@@ -14,6 +14,29 @@ from torch.distributed.tensor import DTensor, Replicate
 from resilient.config import TrainConfig
 
 
+class Optimizers:
+    """One AdamW per pipeline-stage module this rank holds, stepped together.
+
+    One per module (not one for all) because torch's state-dict API maps
+    optimizer state to global parameter names one module at a time."""
+
+    def __init__(self, parts: list[torch.nn.Module], cfg: TrainConfig):
+        self.optimizers = [build_optimizer(part.named_parameters(), cfg) for part in parts]
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+
 def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on norms)."""
     decay, no_decay = [], []

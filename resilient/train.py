@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,9 +31,10 @@ from resilient.config import Config
 from resilient.data import TokenCorpus, ensure_corpus
 from resilient.events import EventLog
 from resilient.model import flops_per_token
-from resilient.optim import build_optimizer, clip_grad_norm, lr_at
+from resilient.optim import Optimizers, clip_grad_norm, lr_at
 from resilient.parallel import ParallelModel, build_layout, build_model
 from resilient.progress import ProgressLine, device_peak_tflops
+from resilient.train_state import TrainState
 
 DIST_TIMEOUT = timedelta(minutes=5)
 
@@ -88,14 +90,19 @@ class Trainer:
         self.layout = build_layout(cfg, self.device.type)
         self.dtype = compute_dtype(cfg, self.device)
         self.model = build_model(cfg, self.layout, self.device, self.dtype)
-        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.train)
+        self.optimizer = Optimizers(self.model.parts, cfg.train)
         corpus_path = ensure_corpus(cfg.data.path, cfg.data.source, cfg.data.max_bytes) if self.rank == 0 else None
         dist.barrier()  # rank 0 may have just built the corpus
         self.corpus = TokenCorpus(corpus_path or Path(cfg.data.path).expanduser(), cfg.train.seq_len,
                                   cfg.train.seed, cfg.data.val_fraction)
         self.corpus.check_vocab(cfg.model.vocab_size, cfg.source)
         self.heartbeat = HeartbeatWriter.from_env()
-        self.step = 0  # the next step to run; also the data position / global_batch
+        self.state = TrainState(cfg, self.run_dir, self.model, self.optimizer, self.events)
+        # Completed steps; the next step to run is self.step + 1 and its first
+        # global sample is self.step × global_batch (the data position).
+        self.step = 0
+        self.stop_requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         self.progress = ProgressLine(cfg.train.steps, every=cfg.train.log_every) if self.rank == 0 else None
         peak = cfg.train.peak_tflops or device_peak_tflops(self.device.type)
         self.peak_flops = peak * 1e12 * self.layout.world if peak else 0.0
@@ -119,13 +126,12 @@ class Trainer:
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         step, cfg = self.step, self.cfg.train
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+        self.optimizer.set_lr(lr_at(step, cfg))
         inputs, targets = self._batch(step)
         local_loss = self.model.forward_backward(inputs, targets)
         norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip, self.layout.dp * self.layout.tp)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         loss = self._global_mean(local_loss)
         self.step += 1
         seconds = time.perf_counter() - t0
@@ -144,6 +150,19 @@ class Trainer:
         return total / self.cfg.train.eval_batches
 
     # -- the loop -----------------------------------------------------------
+    def _on_sigterm(self, signum, frame) -> None:
+        # Preemption notice: finish the step in flight, save it, leave.
+        self.stop_requested = True
+
+    def restore(self) -> None:
+        t0 = time.perf_counter()
+        restored = self.state.restore()
+        if restored is not None:
+            self.step = restored.step
+            if self.progress:
+                self.progress.message(f"restored step {restored.step} from {restored.url} "
+                                      f"({'resharded, ' if restored.resharded else ''}{time.perf_counter() - t0:.2f}s)")
+
     def _log_step(self, r: StepResult) -> None:
         mfu = None
         if self.peak_flops:
@@ -156,14 +175,16 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
+        self.restore()
         self.events.emit("run_start", layout=self.layout.as_dict(), start_step=self.step,
                          config_digest=cfg.digest(), params=cfg.model.num_params(),
                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
         self.heartbeat.beat()
-        while self.step < cfg.train.steps:
+        while self.step < cfg.train.steps and not self.stop_requested:
             result = self.train_step()
             self.heartbeat.beat()
             self._log_step(result)
+            self.state.after_step(self.step)
             if cfg.train.eval_every and result.step % cfg.train.eval_every == 0:
                 val = self.evaluate()
                 self.events.emit("eval", step=result.step, val_loss=val)
@@ -171,10 +192,15 @@ class Trainer:
                     self.progress.message(f"eval at step {result.step}: val loss {val:.4f}")
         if self.progress:
             self.progress.close()
+        self.state.final(self.step)
+        if self.stop_requested:
+            self.events.emit("run_end", step=self.step, preempted=True)
+            return 0
         self.events.emit("run_end", step=self.step, param_digest=param_digest(self.model))
         return 0
 
     def close(self) -> None:
+        self.state.close()
         self.events.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -23,6 +23,7 @@ This class supplies the four hooks it leaves abstract and adds:
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -47,6 +48,8 @@ from resilient.events import EventLog
 
 log = logging.getLogger(__name__)
 
+MAX_STARTUP_FAILURES = 3
+
 
 class ResilientAgent(SimpleElasticAgent):
     def __init__(self, spec: WorkerSpec, settings: AgentSettings, registry: NodeRegistry | None,
@@ -62,6 +65,7 @@ class ResilientAgent(SimpleElasticAgent):
         self.round_nodes: set[str] = set()
         self._next_membership_check = 0.0
         self._round = 0
+        self._startup_failures = 0
 
     # -- rendezvous -----------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -136,6 +140,7 @@ class ResilientAgent(SimpleElasticAgent):
                 self.events.emit("failure", kind=FailureKind.EXIT.value, local_rank=local_rank,
                                  pid=wp.pid, exitcode=code)
         if failures:
+            self._count_startup_failures(failures)
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if all(wp.poll() == 0 for wp in self.procs.values()):
             return RunResult(state=WorkerState.SUCCEEDED,
@@ -150,6 +155,17 @@ class ResilientAgent(SimpleElasticAgent):
                                  failures=self._failure(worker_group, local_rank, wp, -signal.SIGKILL))
         self._check_membership(worker_group)
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _count_startup_failures(self, failures: dict) -> None:
+        """A worker that dies before its first heartbeat (a config or data
+        error, an import failure) will die the same way next time: after
+        ``MAX_STARTUP_FAILURES`` in a row, stop restarting and fail the job
+        with the worker's error instead of looping through max_restarts."""
+        before_first_beat = any(not os.path.exists(self.heartbeats.path(f.local_rank)) for f in failures.values())
+        self._startup_failures = self._startup_failures + 1 if before_first_beat else 0
+        if self._startup_failures >= MAX_STARTUP_FAILURES:
+            log.error("workers failed %d times in a row before their first step; giving up", self._startup_failures)
+            self._remaining_restarts = 0
 
     def _check_membership(self, worker_group: WorkerGroup) -> None:
         """Restart now if a node of this round is gone (not counted as a failure:

@@ -20,3 +20,5 @@ class SnapshotConfig:
     compress: str = knob("auto", "zstd for payloads: 'none', 'zstd', or 'auto' (zstd only for bf16/fp16 payloads to remote URLs, where it beats the link)", choices=("auto", "none", "zstd"))
     upload_threads: int = knob(4, "parallel chunk uploads to the durable tier")
     resume: bool = knob(True, "on start, restore the newest complete version found in the tiers")
+    chunk_mib: int = knob(16, "durable format: cut each shard into chunks of at most this many MiB (one checksum each; a resharding reader fetches at most one extra chunk per boundary)")
+    part_mib: int = knob(64, "durable tier: pack a rank's chunks into objects of about this many MiB (one PUT and one retry unit each)")

@@ -1,0 +1,592 @@
+"""A thin, typed etcd v3 client over ``etcd3gw`` that rides through outages.
+
+Why a wrapper and not ``etcd3gw`` directly:
+
+* ``etcd3gw`` speaks to one endpoint, raises untyped errors, has no
+  compare-and-swap on ``mod_revision`` (only a raw ``txn``), no
+  username/password authentication and no lease keep-alive. A rendezvous, an
+  agent's liveness lease and the snapshot commit records need all of these.
+* A training run must not die because etcd restarted or lost its leader for
+  a second. Every request here is retried with exponential backoff, across
+  all configured endpoints, for at most ``retry_timeout``; only then does it
+  raise :class:`~resilient.etcd.api.EtcdUnavailable`, naming the endpoints and
+  how to check them. The first contact (:meth:`EtcdClient.check`) has its own
+  short bound, so a wrong endpoint fails fast instead of hanging.
+* Every duration is a :class:`datetime.timedelta`.
+
+We talk to etcd's v3 JSON gateway at ``/v3/`` (etcd >= 3.4; 3.3 served it
+at ``/v3beta/`` and is end-of-life), so no gRPC or protobuf pin is needed.
+The gateway has no streaming keep-alive, hence the refresh thread of
+:class:`Lease`.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence, TypeVar
+from urllib.parse import urlsplit
+
+import etcd3gw
+import requests
+from etcd3gw import exceptions as gw_exc
+
+from resilient.etcd.api import (
+    EtcdAuthError,
+    EtcdError,
+    EtcdLeaseExpired,
+    EtcdUnavailable,
+    KeyValue,
+)
+
+__all__ = [
+    "EtcdClient",
+    "CasResult",
+    "Lease",
+    "LivenessLease",
+    "parse_endpoints",
+    "DEFAULT_PORT",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 2379
+_T = TypeVar("_T")
+
+# Transport-level failures worth retrying: the server is down, restarting,
+# has no leader yet (503), or timed out. Everything else is a real answer.
+_AUTH_MARKERS = ("auth", "permission denied", "user name is empty", "token")
+
+_TLS_MARKERS = ("SSLError", "CERTIFICATE_VERIFY_FAILED", "certificate required", "bad certificate")
+
+_RETRYABLE = (
+    gw_exc.ConnectionFailedError,
+    gw_exc.ConnectionTimeoutError,
+    gw_exc.InternalServerError,
+)
+
+
+def _b64(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(data: str | None) -> bytes:
+    return base64.b64decode(data) if data else b""
+
+
+def _range(prefix: bytes | str) -> dict[str, str]:
+    """Range request fields covering every key that starts with ``prefix``."""
+    p = prefix.encode() if isinstance(prefix, str) else prefix
+    return {"key": _b64(p or b"\0"), "range_end": _b64(_prefix_end(p))}
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key starting with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"  # every key
+
+
+def _kv(raw: dict[str, Any]) -> KeyValue:
+    return KeyValue(
+        key=_unb64(raw.get("key")),
+        value=_unb64(raw.get("value")),
+        mod_revision=int(raw.get("mod_revision", 0)),
+        create_revision=int(raw.get("create_revision", 0)),
+        version=int(raw.get("version", 0)),
+        lease=int(raw.get("lease", 0)),
+    )
+
+
+def _response(resp: dict[str, Any], kind: str) -> dict[str, Any]:
+    # The 3.4 gateway emits snake_case names; accept camelCase too.
+    camel = "response" + kind[0].upper() + kind[1:]
+    return resp.get("response_" + kind) or resp.get(camel) or {}
+
+
+def parse_endpoints(
+    endpoints: str | Sequence[str], default_port: int = DEFAULT_PORT
+) -> list[tuple[str, str, int]]:
+    """Parse ``"host:port,host2:port2"`` (or a list) into (scheme, host, port).
+
+    Accepts what torch's etcd backend accepts (``host``, ``host:port``) plus
+    ``http://`` / ``https://`` URLs and bracketed IPv6 (``[::1]:2379``).
+    """
+    if isinstance(endpoints, str):
+        items = [e.strip() for e in endpoints.split(",")]
+    else:
+        items = [str(e).strip() for e in endpoints]
+    items = [e for e in items if e]
+    if not items:
+        raise EtcdError(
+            "no etcd endpoint given; pass HOST:PORT (comma-separated for a cluster), "
+            "e.g. --rdzv-endpoint 10.0.0.5:2379"
+        )
+    out = []
+    for item in items:
+        scheme = ""
+        if "://" in item:
+            scheme = item.split("://", 1)[0].lower()
+            if scheme not in ("http", "https"):
+                raise EtcdError(f"etcd endpoint {item!r}: scheme must be http or https")
+        parts = urlsplit(item if scheme else "//" + item)
+        try:
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:
+            raise EtcdError(f"etcd endpoint {item!r} is not HOST:PORT ({exc})") from None
+        if not host:
+            raise EtcdError(f"etcd endpoint {item!r} has no host; expected HOST:PORT")
+        out.append((scheme, host, port or default_port))
+    return out
+
+
+@dataclass(frozen=True)
+class CasResult:
+    """Outcome of a compare-and-swap.
+
+    ``kv`` is the key as it is *now*: the value just written when
+    ``succeeded``, otherwise the current value that beat us (``None`` when
+    the key does not exist). Read atomically with the comparison, so a loser
+    can retry from ``kv.mod_revision`` without another round trip.
+    """
+
+    succeeded: bool
+    kv: KeyValue | None
+
+
+class EtcdClient:
+    """Typed etcd v3 client: KV, compare-and-swap, leases; retries outages.
+
+    Args:
+        endpoints: ``"host:port[,host:port...]"`` or a list; URLs allowed.
+        ca_cert, cert, key: TLS files (CA bundle; client certificate and key).
+            Giving ``ca_cert`` or ``cert`` switches the default scheme to https.
+        username, password: etcd user credentials (etcd's ``auth enable``).
+        request_timeout: bound on one HTTP request.
+        retry_timeout: how long a request keeps retrying while etcd is
+            unreachable or leaderless before :class:`EtcdUnavailable`.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        request_timeout: timedelta = timedelta(seconds=5),
+        retry_timeout: timedelta = timedelta(seconds=30),
+    ) -> None:
+        for name, value in (("request_timeout", request_timeout), ("retry_timeout", retry_timeout)):
+            if not isinstance(value, timedelta):
+                raise TypeError(f"{name} must be a datetime.timedelta, not {value!r}")
+        if bool(cert) != bool(key):
+            raise EtcdError("TLS client auth needs both a certificate and its key (cert= and key=)")
+        if bool(username) != (password is not None):
+            raise EtcdError("etcd authentication needs both a username and a password")
+        if cert and username:
+            raise EtcdError(
+                "etcd's v3 HTTP gateway rejects requests that carry both a client certificate "
+                "and a username/password token; authenticate with one of them (ca_cert to "
+                "verify the server works with either)"
+            )
+        self.request_timeout = request_timeout
+        self.retry_timeout = retry_timeout
+        self._username = username
+        self._password = password
+        self._session = requests.Session()
+        # Passed per request: requests lets REQUESTS_CA_BUNDLE override a
+        # session-level ``verify``, which would silently ignore ``ca_cert``.
+        self._tls: dict[str, Any] = {}
+        if ca_cert:
+            self._tls["verify"] = ca_cert
+        if cert and key:
+            self._tls["cert"] = (cert, key)
+        default_scheme = "https" if (ca_cert or cert) else "http"
+        self._gw: list[etcd3gw.Etcd3Client] = []
+        self.endpoints: list[str] = []
+        for scheme, host, port in parse_endpoints(endpoints):
+            scheme = scheme or default_scheme
+            self._gw.append(
+                etcd3gw.Etcd3Client(
+                    host=host,
+                    port=port,
+                    protocol=scheme,
+                    timeout=request_timeout.total_seconds(),
+                    session=self._session,
+                    api_path="/v3/",  # etcd >= 3.4; saves the /version discovery round trip
+                )
+            )
+            shown = f"[{host}]" if ":" in host else host
+            self.endpoints.append(f"{scheme}://{shown}:{port}")
+        self._current = 0
+        self._auth_lock = threading.Lock()
+        self._leases: list[Lease] = []
+        self._closed = False
+
+    # ------------------------------------------------------------ transport
+    def _authenticate(self, gw: etcd3gw.Etcd3Client) -> None:
+        with self._auth_lock:
+            self._session.headers.pop("Authorization", None)
+            try:
+                resp = gw.post(
+                    gw.get_url("/auth/authenticate"),
+                    json={"name": self._username, "password": self._password},
+                    **self._tls,
+                )
+            except _RETRYABLE:
+                raise
+            except gw_exc.Etcd3Exception as exc:
+                text = (exc.detail_text or str(exc)).strip()
+                hint = (
+                    "etcd's HTTP gateway refuses a client certificate together with a "
+                    "username/password: use one or the other (ca_cert alone is fine)"
+                    if "CommonName" in text else
+                    "check the username and password (`etcdctl user get NAME`) and that "
+                    "auth is enabled on the cluster"
+                )
+                raise EtcdAuthError(
+                    f"etcd at {gw.base_url} refused user {self._username!r}: {text}; {hint}"
+                ) from None
+            self._session.headers["Authorization"] = resp["token"]
+
+    def _call(
+        self,
+        what: str,
+        fn: Callable[[etcd3gw.Etcd3Client], _T],
+        retry_timeout: timedelta | None = None,
+    ) -> _T:
+        """Run ``fn`` against an endpoint, failing over and backing off."""
+        if self._closed:
+            raise EtcdError(f"etcd {what}: the client is closed")
+        budget = (self.retry_timeout if retry_timeout is None else retry_timeout).total_seconds()
+        start = time.monotonic()
+        delay = 0.02
+        reauthed = False
+        while True:
+            idx = self._current
+            gw = self._gw[idx]
+            try:
+                if self._username and "Authorization" not in self._session.headers:
+                    self._authenticate(gw)
+                return fn(gw)
+            except _RETRYABLE as exc:
+                last: object = exc.detail_text or exc or type(exc).__name__
+                if any(m in str(last) for m in _TLS_MARKERS):
+                    # A TLS failure is a configuration problem, not an outage: no retry.
+                    raise EtcdAuthError(
+                        f"etcd {what}: TLS with {gw.base_url} failed: {last}. Check ca_cert "
+                        "(the CA that signed etcd's certificate), cert/key (a client "
+                        "certificate etcd trusts) and that the endpoint uses https."
+                    ) from None
+                self._current = (idx + 1) % len(self._gw)
+                waited = time.monotonic() - start
+                if waited >= budget:
+                    raise EtcdUnavailable(self.endpoints, waited, f"{what}: {last}") from None
+                time.sleep(min(delay, max(0.0, budget - waited)))
+                delay = min(delay * 2, 1.0)
+            except gw_exc.Etcd3Exception as exc:
+                text = exc.detail_text or str(exc)
+                auth_problem = any(m in text.lower() for m in _AUTH_MARKERS)
+                if self._username and not reauthed and "token" in text.lower():
+                    # Simple tokens expire (default 5 min): log in again once.
+                    reauthed = True
+                    self._session.headers.pop("Authorization", None)
+                    continue
+                if "lease not found" in text:
+                    raise EtcdLeaseExpired(
+                        f"etcd {what} at {gw.base_url}: the lease is gone (expired or "
+                        "revoked); grant a new one and re-register the keys it held"
+                    ) from None
+                if auth_problem:
+                    hint = (
+                        "grant the user a role covering this key range (`etcdctl role grant-permission`)"
+                        if self._username else
+                        "this cluster has authentication enabled: pass username and password "
+                        "(rdzv conf username=..., password=... or RESILIENT_ETCD_PASSWORD)"
+                    )
+                    raise EtcdAuthError(f"etcd {what} at {gw.base_url} was refused: {text}; {hint}") from None
+                raise EtcdError(f"etcd {what} at {gw.base_url} failed: {text}") from None
+
+    def _post(self, path: str, body: dict[str, Any], what: str,
+              retry_timeout: timedelta | None = None) -> dict[str, Any]:
+        return self._call(what, lambda gw: gw.post(gw.get_url(path), json=body, **self._tls),
+                          retry_timeout)
+
+    # ------------------------------------------------------------ health
+    def check(self, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Fail fast with :class:`EtcdUnavailable` unless etcd answers within ``timeout``.
+
+        Call this once at start: a wrong ``--rdzv-endpoint`` or a stopped
+        cluster then shows up as a clear error, not a long hang.
+        """
+        self._post("/maintenance/status", {}, "status check", retry_timeout=timeout)
+
+    # ------------------------------------------------------------ KV
+    def get(self, key: bytes | str) -> KeyValue | None:
+        """The key's value and revisions, or ``None`` if it does not exist."""
+        resp = self._post("/kv/range", {"key": _b64(key)}, f"get {key!r}")
+        kvs = resp.get("kvs") or []
+        return _kv(kvs[0]) if kvs else None
+
+    def get_many(self, keys: Sequence[bytes | str]) -> list[KeyValue | None]:
+        """Read several keys at one revision, in one round trip (a compare-less txn)."""
+        if not keys:
+            return []
+        reads = [{"request_range": {"key": _b64(k)}} for k in keys]
+        resp = self.txn([], reads, [])
+        out: list[KeyValue | None] = []
+        for r in resp.get("responses") or []:
+            kvs = _response(r, "range").get("kvs")
+            out.append(_kv(kvs[0]) if kvs else None)
+        return out
+
+    def get_prefix(self, prefix: bytes | str) -> list[KeyValue]:
+        """All keys starting with ``prefix``, in key order."""
+        resp = self._post("/kv/range", _range(prefix), f"get prefix {prefix!r}")
+        return [_kv(kv) for kv in resp.get("kvs") or []]
+
+    def count_prefix(self, prefix: bytes | str) -> int:
+        body = {**_range(prefix), "count_only": True}
+        return int(self._post("/kv/range", body, f"count {prefix!r}").get("count", 0))
+
+    def put(self, key: bytes | str, value: bytes | str, *, lease: int | Lease | None = None) -> int:
+        """Write ``key``; returns the revision of the write (its new ``mod_revision``)."""
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = int(lease.id if isinstance(lease, Lease) else lease)
+        resp = self._post("/kv/put", body, f"put {key!r}")
+        return int(resp["header"]["revision"])
+
+    def delete(self, key: bytes | str) -> bool:
+        """Delete ``key``; ``True`` if it existed."""
+        resp = self._post("/kv/deleterange", {"key": _b64(key)}, f"delete {key!r}")
+        return int(resp.get("deleted", 0)) > 0
+
+    def delete_prefix(self, prefix: bytes | str) -> int:
+        """Delete every key under ``prefix``; returns how many were deleted."""
+        return int(self._post("/kv/deleterange", _range(prefix), f"delete prefix {prefix!r}").get("deleted", 0))
+
+    def txn(self, compare: list[dict], success: list[dict], failure: list[dict]) -> dict[str, Any]:
+        """A raw v3 transaction (gateway JSON; keys/values base64)."""
+        body = {"compare": compare, "success": success, "failure": failure}
+        return self._post("/kv/txn", body, "txn")
+
+    def compare_and_swap(
+        self,
+        key: bytes | str,
+        value: bytes | str,
+        *,
+        mod_revision: int | None,
+        lease: int | Lease | None = None,
+    ) -> CasResult:
+        """Write ``key`` only if its ``mod_revision`` is still ``mod_revision``.
+
+        ``mod_revision=None`` (or 0) means "only if the key does not exist".
+        The current value comes back in the same transaction either way.
+        """
+        k = _b64(key)
+        if mod_revision:
+            cmp = {"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": int(mod_revision)}
+        else:
+            cmp = {"key": k, "target": "VERSION", "result": "EQUAL", "version": 0}
+        return self._cas(key, cmp, value, lease)
+
+    def compare_value_and_swap(
+        self, key: bytes | str, expected: bytes | str, value: bytes | str,
+        *, lease: int | Lease | None = None,
+    ) -> CasResult:
+        """Write ``key`` only if its current value equals ``expected``."""
+        cmp = {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
+        return self._cas(key, cmp, value, lease)
+
+    def _cas(self, key: bytes | str, cmp: dict, value: bytes | str,
+             lease: int | Lease | None) -> CasResult:
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = int(lease.id if isinstance(lease, Lease) else lease)
+        read = {"request_range": {"key": _b64(key)}}
+        resp = self.txn([cmp], [{"request_put": put}, read], [read])
+        ok = bool(resp.get("succeeded", False))
+        responses = resp.get("responses") or []
+        kvs = _response(responses[-1], "range").get("kvs") if responses else None
+        return CasResult(ok, _kv(kvs[0]) if kvs else None)
+
+    # ------------------------------------------------------------ leases
+    def grant(self, ttl: timedelta) -> int:
+        """Grant a bare lease (no keep-alive) and return its id."""
+        secs = max(1, round(ttl.total_seconds()))
+        return int(self._post("/lease/grant", {"TTL": secs}, "lease grant")["ID"])
+
+    def lease(
+        self,
+        ttl: timedelta,
+        *,
+        keep_alive: bool = True,
+        on_expired: Callable[[Lease], None] | None = None,
+    ) -> Lease:
+        """Grant a lease; with ``keep_alive`` a daemon thread refreshes it every ``ttl/3``.
+
+        etcd deletes every key attached to a lease when it expires. The
+        keep-alive thread is what makes "the key exists" mean "this process
+        is alive": no etcd client keeps leases alive on its own.
+        """
+        lease = Lease(self, self.grant(ttl), ttl, on_expired)
+        if keep_alive:
+            lease.start_keep_alive()
+        self._leases.append(lease)
+        return lease
+
+    def close(self) -> None:
+        """Stop keep-alive threads (leases then lapse after their TTL) and the session."""
+        for lease in self._leases:
+            lease.stop_keep_alive()
+        self._leases.clear()
+        self._closed = True
+        self._session.close()
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EtcdClient({','.join(self.endpoints)})"
+
+
+class Lease:
+    """An etcd lease this process granted, optionally kept alive by a thread."""
+
+    def __init__(self, client: EtcdClient, lease_id: int, ttl: timedelta,
+                 on_expired: Callable[[Lease], None] | None = None) -> None:
+        self.client = client
+        self.id = lease_id
+        self.ttl = ttl
+        self._on_expired = on_expired
+        self._expired = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def expired(self) -> bool:
+        """True once etcd has told us the lease is gone."""
+        return self._expired
+
+    def refresh(self, retry_timeout: timedelta | None = None) -> timedelta:
+        """Reset the TTL now; raises :class:`EtcdLeaseExpired` if it already lapsed."""
+        resp = self.client._post("/lease/keepalive", {"ID": self.id},
+                                 f"lease keep-alive {self.id:x}", retry_timeout)
+        ttl = int((resp.get("result") or {}).get("TTL", 0))  # absent (0): lease is gone
+        if ttl <= 0:
+            self._mark_expired()
+            raise EtcdLeaseExpired(f"etcd lease {self.id:x} has expired; keys attached to it are gone")
+        return timedelta(seconds=ttl)
+
+    def remaining(self) -> timedelta | None:
+        """Time left before expiry, or ``None`` if the lease is gone."""
+        resp = self.client._post("/kv/lease/timetolive", {"ID": self.id}, "lease ttl")
+        ttl = int(resp.get("TTL", 0))  # proto3 JSON omits 0; a lapsed lease says -1
+        return None if ttl < 0 else timedelta(seconds=ttl)
+
+    def revoke(self) -> None:
+        """Revoke now: etcd deletes every key attached to it at once."""
+        self.stop_keep_alive()
+        try:
+            self.client._post("/kv/lease/revoke", {"ID": self.id}, "lease revoke")
+        except EtcdLeaseExpired:
+            pass
+        self._expired = True
+
+    def _mark_expired(self) -> None:
+        if not self._expired:
+            self._expired = True
+            self._stop.set()
+            log.warning("etcd lease %x expired", self.id)
+            if self._on_expired is not None:
+                self._on_expired(self)
+
+    def start_keep_alive(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._keep_alive_loop, name=f"etcd-lease-{self.id:x}", daemon=True
+            )
+            self._thread.start()
+
+    def stop_keep_alive(self) -> None:
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=self.client.request_timeout.total_seconds() + 1)
+
+    def _keep_alive_loop(self) -> None:
+        interval = max(self.ttl.total_seconds() / 3, 0.05)
+        while not self._stop.wait(interval):
+            try:
+                # Bounded by one interval so a long outage cannot starve refreshes.
+                self.refresh(retry_timeout=timedelta(seconds=interval))
+            except EtcdLeaseExpired:
+                return
+            except EtcdError as exc:  # unreachable for now; etcd restores leases on restart
+                log.debug("etcd lease %x keep-alive failed: %s", self.id, exc)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.revoke()
+
+
+class LivenessLease:
+    """A lease that lasts as long as this process: kept alive, re-granted if it lapsed.
+
+    Use it to attach "this node is here" keys: they vanish ``ttl`` after the
+    process dies. If etcd was unreachable for longer than ``ttl`` the old lease
+    is gone; :attr:`id` then grants a fresh one, so writers that attach keys
+    via ``lease=liveness.id`` heal by themselves.
+    """
+
+    def __init__(self, client: EtcdClient, ttl: timedelta) -> None:
+        self.client = client
+        self.ttl = ttl
+        self._lock = threading.Lock()
+        self._lease: Lease | None = None
+
+    @property
+    def id(self) -> int:
+        with self._lock:
+            if self._lease is None or self._lease.expired:
+                self._lease = self.client.lease(self.ttl)
+            return self._lease.id
+
+    def invalidate(self, lease_id: int | None = None) -> None:
+        """Forget the lease (etcd said it is gone) so the next :attr:`id` re-grants.
+
+        With ``lease_id``, only if that is still the current lease (so two
+        threads noticing the same lapse re-grant once).
+        """
+        with self._lock:
+            if self._lease is not None and lease_id in (None, self._lease.id):
+                self._lease.stop_keep_alive()
+                self._lease = None
+
+    def close(self, revoke: bool = False) -> None:
+        with self._lock:
+            if self._lease is not None:
+                if revoke:
+                    self._lease.revoke()
+                else:
+                    self._lease.stop_keep_alive()
+                self._lease = None

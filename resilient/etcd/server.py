@@ -1,0 +1,300 @@
+"""An embedded, single-member etcd server for one machine and for tests.
+
+Why: on one machine ``resilient launch`` needs a coordination store without
+asking the user to run one, and the test suite needs a *real* etcd it can
+stop, kill and restart mid-run. :class:`EmbeddedEtcd` runs Debian's
+``etcd-server`` binary (found on ``PATH``) on free loopback ports with a
+temporary data dir, waits until it is healthy, and always cleans up: the
+server runs in its own process group, which is killed on stop, on
+interpreter exit, and when the start fails halfway.
+
+Short raft timings (``--heartbeat-interval=10 --election-timeout=50``) make a
+single member elect itself in ~0.1 s instead of ~1 s; they are safe on
+loopback, where there is no network latency to tolerate.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import warnings
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+import requests
+
+from resilient.etcd.api import EtcdError, EtcdNotFound
+from resilient.etcd.client import EtcdClient
+
+__all__ = ["EmbeddedEtcd", "find_etcd", "free_port"]
+
+_LIVE: "weakref.WeakSet[EmbeddedEtcd]" = weakref.WeakSet()
+
+
+def find_etcd(binary: str | os.PathLike[str] | None = None) -> str:
+    """Path of the etcd server binary: ``binary`` if given, else ``etcd`` on PATH.
+
+    Raises :class:`EtcdNotFound` (with install instructions) when missing.
+    """
+    if binary is not None:
+        path = Path(binary)
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+        raise EtcdNotFound(str(binary))
+    found = shutil.which("etcd")
+    if found is None:
+        raise EtcdNotFound(f"`etcd` on PATH={os.environ.get('PATH', '')!r}")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS considers free right now (bind to port 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedEtcd:
+    """A single-member etcd on loopback, as a context manager.
+
+    >>> with EmbeddedEtcd() as etcd:           # doctest: +SKIP
+    ...     client = etcd.client()
+    ...     client.put("k", "v")
+
+    ``endpoint`` (``"127.0.0.1:PORT"``) is what ``--rdzv-endpoint`` takes.
+    :meth:`stop`, :meth:`kill` and :meth:`restart` keep the ports and the
+    data dir, so clients and leases survive a restart like on a real cluster;
+    :meth:`close` (or leaving the ``with``) stops it and removes the data dir.
+
+    TLS (tests of the TLS client options): give ``cert_file``/``key_file`` to
+    serve https; add ``client_ca_file`` to require client certificates (the
+    server certificate then also needs the clientAuth usage: it is what the
+    health probe presents).
+    """
+
+    def __init__(
+        self,
+        *,
+        binary: str | os.PathLike[str] | None = None,
+        host: str = "127.0.0.1",
+        data_dir: str | os.PathLike[str] | None = None,
+        name: str = "resilient",
+        start_timeout: timedelta = timedelta(seconds=15),
+        extra_args: Sequence[str] = (),
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
+        client_ca_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.binary = find_etcd(binary)
+        self.host = host
+        self.name = name
+        self.start_timeout = start_timeout
+        self.extra_args = list(extra_args)
+        if bool(cert_file) != bool(key_file):
+            raise EtcdError("EmbeddedEtcd TLS needs both cert_file and key_file")
+        # With a server certificate, clients must use https; with a client CA,
+        # clients must also present a certificate signed by it.
+        self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
+        self.scheme = "https" if cert_file else "http"
+        self._own_dir = data_dir is None
+        self._root = Path(tempfile.mkdtemp(prefix="resilient-etcd-")) if data_dir is None else Path(data_dir)
+        self.data_dir = self._root / "data" if self._own_dir else self._root
+        self.log_path = (self._root / "etcd.log") if self._own_dir else self._root.with_suffix(".log")
+        _LIVE.add(self)  # atexit stops it and removes the temp dir even if never closed
+        self.client_port = 0
+        self.peer_port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+
+    # ------------------------------------------------------------ addresses
+    @property
+    def endpoint(self) -> str:
+        """``HOST:PORT`` of the client URL (``--rdzv-endpoint`` form)."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def is_running(self) -> bool:
+        """True while the server process is alive (chaos injectors probe this)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    running = is_running
+
+    def client(self, **kwargs: object) -> EtcdClient:
+        """An :class:`EtcdClient` for this server (kwargs go to the client)."""
+        return EtcdClient(self.client_url, **kwargs)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> EmbeddedEtcd:
+        """Start (or, after :meth:`stop`, start again on the same ports and data)."""
+        if self.running():
+            return self
+        first = self.client_port == 0
+        attempts = 3 if first else 1
+        for attempt in range(attempts):
+            if first:
+                # Port 0 trick; the tiny race with other processes is covered by retrying.
+                self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+            try:
+                self._spawn()
+                self._wait_healthy()
+                return self
+            except EtcdError:
+                self._terminate(signal.SIGKILL)
+                if attempt + 1 == attempts or "address already in use" not in self._log_tail():
+                    raise
+        raise AssertionError("unreachable")
+
+    def _spawn(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        peer = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            self.binary,
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={self.client_url}",
+            f"--advertise-client-urls={self.client_url}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={self.name}={peer}",
+            "--initial-cluster-state=new",
+            "--heartbeat-interval=10",
+            "--election-timeout=50",
+            *self._tls_args(),
+            *self.extra_args,
+        ]
+        self._log_file = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: we can always kill all of it
+        )
+
+    def _tls_args(self) -> list[str]:
+        if not self.cert_file:
+            return []
+        args = [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}"]
+        if self.client_ca_file:
+            args += [f"--trusted-ca-file={self.client_ca_file}", "--client-cert-auth"]
+        return args
+
+    def _log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout.total_seconds()
+        delay = 0.01
+        assert self._proc is not None
+        # Health is probed over plain HTTP unless TLS is on; then without
+        # verification (we only ask "are you up", the data path verifies).
+        probe_cert = None
+        if self.cert_file and self.client_ca_file:
+            probe_cert = (str(self.cert_file), str(self.key_file))
+        while True:
+            if self._proc.poll() is not None:
+                raise EtcdError(
+                    f"etcd ({self.binary}) exited with code {self._proc.returncode} while "
+                    f"starting on {self.endpoint}; its log ({self.log_path}) ends with:\n"
+                    f"{self._log_tail()}"
+                )
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # urllib3's InsecureRequestWarning
+                    r = requests.get(self.client_url + "/health", timeout=1,
+                                     verify=False, cert=probe_cert)
+                if r.ok and r.json().get("health") == "true":
+                    return
+            except (requests.RequestException, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise EtcdError(
+                    f"etcd on {self.endpoint} was not healthy within "
+                    f"{self.start_timeout.total_seconds():.0f} s; log {self.log_path}:\n{self._log_tail()}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+
+    def _terminate(self, sig: int, timeout: timedelta = timedelta(seconds=10)) -> None:
+        proc = self._proc
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=timeout.total_seconds())
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            self._proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def stop(self, timeout: timedelta = timedelta(seconds=10)) -> None:
+        """Graceful stop (SIGTERM, SIGKILL after ``timeout``); keeps ports and data."""
+        self._terminate(signal.SIGTERM, timeout)
+
+    def kill(self) -> None:
+        """``kill -9`` the server (a crash); keeps ports and data."""
+        self._terminate(signal.SIGKILL)
+
+    def restart(self) -> EmbeddedEtcd:
+        """Stop and start again on the same ports and data dir."""
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        """Stop and remove the data dir (if we created it). Idempotent."""
+        self._terminate(signal.SIGTERM)
+        _LIVE.discard(self)
+        if self._own_dir:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedEtcd:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def __repr__(self) -> str:
+        state = "running" if self.running() else "stopped"
+        return f"EmbeddedEtcd({self.endpoint}, {state}, data={self.data_dir})"
+
+
+@atexit.register
+def _close_all() -> None:
+    for etcd in list(_LIVE):
+        etcd.close()

@@ -1,0 +1,47 @@
+"""Typed rendezvous errors, bridged to torch.distributed.elastic's.
+
+Each error derives from both :class:`resilient.errors.ResilientError` (so
+resilient's callers catch one root) and the matching
+``torch.distributed.elastic.rendezvous`` error (so torch's elastic agent and
+``DynamicRendezvousHandler`` treat it exactly as they treat their own).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError as _TorchConnectionError,
+    RendezvousError as _TorchRendezvousError,
+    RendezvousStateError as _TorchStateError,
+)
+
+from resilient.errors import ConfigError, ResilientError
+
+__all__ = [
+    "RendezvousError",
+    "RendezvousUnavailable",
+    "RendezvousStateCorrupt",
+    "RendezvousConfigError",
+]
+
+
+class RendezvousError(ResilientError, _TorchRendezvousError):
+    """Base of resilient's rendezvous errors."""
+
+
+class RendezvousUnavailable(RendezvousError, _TorchConnectionError):
+    """The rendezvous store (etcd) could not be reached within the retry budget.
+
+    The message names the endpoints and the ``etcdctl`` command to check them.
+    """
+
+
+class RendezvousStateCorrupt(RendezvousError, _TorchStateError):
+    """The rendezvous state stored in etcd cannot be decoded.
+
+    Someone else wrote the key, or a different resilient/torch version is on
+    it. Use a new run id, or delete the key named in the message.
+    """
+
+
+class RendezvousConfigError(RendezvousError, ConfigError):
+    """A ``--rdzv-conf`` / ``--rdzv-endpoint`` value is malformed."""

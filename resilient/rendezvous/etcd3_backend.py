@@ -1,0 +1,218 @@
+"""etcd v3 backend and store for torch's ``DynamicRendezvousHandler``.
+
+torch ships only an etcd **v2** backend, and etcd 3.6 removed the v2 API.
+This module gives ``DynamicRendezvousHandler`` what it needs on etcd v3:
+
+* :class:`Etcd3RendezvousBackend` holds the rendezvous state under one key.
+  ``set_state`` is a compare-and-swap on the key's ``mod_revision`` (the
+  fencing token), done in one etcd transaction that also reads the current
+  value back, so concurrent agents can never both win a round: each write
+  either extends exactly the state it read or fails and returns the winner's.
+* :class:`Etcd3Store` is the ``torch.distributed.Store`` the agents use to
+  exchange the master address and to run their barriers.
+
+Liveness: every key is written with this process's :class:`LivenessLease`
+(kept alive by a thread). Agents rewrite the state at every heartbeat, so
+while any agent of the run lives the state key stays; once all are gone it
+disappears ``lease_ttl`` later, and a new job with the same run id starts
+clean instead of inheriting a dead job's membership.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Callable, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+
+from resilient.etcd.api import EtcdError, EtcdLeaseExpired, EtcdUnavailable
+from resilient.etcd.client import EtcdClient, LivenessLease
+from resilient.rendezvous.api import RendezvousError, RendezvousUnavailable
+
+__all__ = ["Etcd3RendezvousBackend", "Etcd3Store", "DEFAULT_KEY_PREFIX"]
+
+DEFAULT_KEY_PREFIX = "/resilient/rdzv"
+_T = TypeVar("_T")
+
+
+def _translate(what: str, fn: Callable[[], _T], lease: LivenessLease | None = None) -> _T:
+    """Run ``fn``; map etcd errors to rendezvous errors torch understands.
+
+    A lapsed lease (etcd was unreachable for longer than its TTL) is healed
+    by re-granting once and retrying.
+    """
+    for attempt in range(2):
+        try:
+            return fn()
+        except EtcdLeaseExpired as exc:
+            if lease is None or attempt:
+                raise RendezvousError(f"{what}: {exc}") from exc
+            lease.invalidate()
+        except EtcdUnavailable as exc:
+            raise RendezvousUnavailable(f"{what}: {exc}") from exc
+        except EtcdError as exc:
+            raise RendezvousError(f"{what}: {exc}") from exc
+    raise AssertionError("unreachable")
+
+
+class Etcd3RendezvousBackend(RendezvousBackend):
+    """Rendezvous state in etcd v3, written by compare-and-swap on ``mod_revision``.
+
+    Args:
+        client: the etcd client (shared with :class:`Etcd3Store`).
+        run_id: the job's run id; the state lives at ``{key_prefix}/{run_id}/state``.
+        key_prefix: namespace for all of resilient's rendezvous keys.
+        lease: liveness lease to attach writes to; one is created with
+            ``lease_ttl`` if not given.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        run_id: str,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        lease: LivenessLease | None = None,
+        lease_ttl: timedelta = timedelta(seconds=60),
+    ) -> None:
+        if not run_id:
+            raise RendezvousError("the run id must be a non-empty string (torchrun --rdzv-id)")
+        self.client = client
+        self.run_id = run_id
+        self.key = f"{key_prefix.rstrip('/')}/{run_id}/state"
+        self.lease = lease if lease is not None else LivenessLease(client, lease_ttl)
+
+    @property
+    def name(self) -> str:
+        return "etcd3"
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        kv = _translate(f"reading rendezvous state {self.key}", lambda: self.client.get(self.key))
+        return None if kv is None else (kv.value, kv.mod_revision)
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        try:
+            revision = int(token) if token is not None else None
+        except (TypeError, ValueError):
+            # Not a token we issued: nothing to compare against; report the current state.
+            current = self.get_state()
+            return None if current is None else (*current, False)
+
+        def cas() -> tuple[bytes, Token, bool] | None:
+            res = self.client.compare_and_swap(
+                self.key, state, mod_revision=revision, lease=self.lease.id
+            )
+            if res.kv is None:
+                return None
+            return res.kv.value, res.kv.mod_revision, res.succeeded
+
+        return _translate(f"writing rendezvous state {self.key}", cas, self.lease)
+
+
+class Etcd3Store(dist.Store):
+    """A ``torch.distributed.Store`` on etcd v3, for the agents of one run.
+
+    Used by torch's elastic agent for small, infrequent exchanges (master
+    address and port, rank assignment, exit barriers), never by training
+    traffic. Blocking calls poll with a short backoff (capped at 50 ms) and
+    read all awaited keys in one request.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        *,
+        lease: LivenessLease | None = None,
+        timeout: timedelta = timedelta(seconds=300),
+    ) -> None:
+        super().__init__()
+        self.client = client
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.lease = lease
+        self.set_timeout(timeout)
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _lease_id(self) -> int | None:
+        return self.lease.id if self.lease is not None else None
+
+    @staticmethod
+    def _bytes(value: bytes | str) -> bytes:
+        return value if isinstance(value, bytes) else str(value).encode()
+
+    def set(self, key: str, value: bytes | str) -> None:  # type: ignore[override]
+        _translate(f"store set {key}", lambda: self.client.put(
+            self._k(key), self._bytes(value), lease=self._lease_id()), self.lease)
+
+    def get(self, key: str) -> bytes:  # type: ignore[override]
+        """Blocks until ``key`` exists (up to the store timeout), like every c10d store."""
+        return self._wait([key], self.timeout)[0]
+
+    def add(self, key: str, num: int) -> int:  # type: ignore[override]
+        def loop() -> int:
+            k = self._k(key)
+            kv = self.client.get(k)
+            while True:
+                new = (int(kv.value) if kv is not None else 0) + int(num)
+                res = self.client.compare_and_swap(
+                    k, str(new), mod_revision=kv.mod_revision if kv else None,
+                    lease=self._lease_id())
+                if res.succeeded:
+                    return new
+                kv = res.kv
+
+        return _translate(f"store add {key}", loop, self.lease)
+
+    def compare_set(self, key: str, expected_value: bytes | str,  # type: ignore[override]
+                    desired_value: bytes | str) -> bytes:
+        """c10d semantics: set if current == expected (or absent and expected is empty)."""
+        expected, desired = self._bytes(expected_value), self._bytes(desired_value)
+
+        def cas() -> bytes:
+            k = self._k(key)
+            if expected:
+                res = self.client.compare_value_and_swap(k, expected, desired, lease=self._lease_id())
+                if res.kv is None:  # absent and a non-empty expectation: c10d returns expected
+                    return expected
+            else:
+                res = self.client.compare_and_swap(k, desired, mod_revision=None, lease=self._lease_id())
+            assert res.kv is not None
+            return res.kv.value
+
+        return _translate(f"store compare_set {key}", cas, self.lease)
+
+    def check(self, keys: list[str]) -> bool:  # type: ignore[override]
+        kvs = _translate("store check", lambda: self.client.get_many([self._k(k) for k in keys]))
+        return all(kv is not None for kv in kvs)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+        self._wait(keys, self.timeout if timeout is None else timeout)
+
+    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+        return _translate(f"store delete {key}", lambda: self.client.delete(self._k(key)))
+
+    def num_keys(self) -> int:  # type: ignore[override]
+        return _translate("store num_keys", lambda: self.client.count_prefix(self.prefix))
+
+    def _wait(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+        deadline = time.monotonic() + timeout.total_seconds()
+        full = [self._k(k) for k in keys]
+        delay = 0.005
+        while True:
+            kvs = _translate("store wait", lambda: self.client.get_many(full))
+            if all(kv is not None for kv in kvs):
+                return [kv.value for kv in kvs]  # type: ignore[union-attr]
+            if time.monotonic() >= deadline:
+                missing = [k for k, kv in zip(keys, kvs) if kv is None]
+                raise dist.DistStoreError(
+                    f"etcd store {self.prefix}: keys {missing} were not set within "
+                    f"{timeout.total_seconds():.1f} s; a peer agent is missing or slow"
+                )
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.05)

@@ -1,0 +1,219 @@
+"""Register the ``etcd3`` rendezvous with torch, in-process and for plain torchrun.
+
+Two ways in, one creator:
+
+* In-process (resilient's own agent, tests): call :func:`register` once,
+  then ``--rdzv-backend etcd3`` / ``RendezvousParameters(backend="etcd3")``
+  works with torch's ``get_rendezvous_handler``.
+* Plain ``torchrun --rdzv-backend=etcd3``: torch loads the
+  ``torchrun.handlers`` entry point ``etcd3`` and, in torch 2.13
+  (``rendezvous/registry.py::_register_out_of_tree_handlers``), *calls the
+  loaded object with no arguments* and registers what it returns as the
+  creator. :func:`create_etcd3_handler` therefore answers a no-argument call
+  with itself, and a call with ``RendezvousParameters`` with a handler.
+
+``--rdzv-conf`` keys (all optional; durations in seconds, floats allowed):
+
+===================  =========================================================
+ca_cert              CA bundle to verify etcd's TLS certificate (enables https)
+ssl_cert, ssl_cert_key  client certificate and key (aliases: cert, key)
+protocol             http or https (default: https if any TLS file is given)
+username, password   etcd credentials; the password may instead come from the
+                     environment variable RESILIENT_ETCD_PASSWORD (keeps it
+                     out of ``ps``)
+key_prefix           etcd namespace (default /resilient/rdzv)
+lease_ttl            liveness lease TTL (default 60)
+connect_timeout      bound on the first contact with etcd (default 5)
+request_timeout      bound on one etcd request (default 5)
+retry_timeout        how long requests ride through an etcd outage (default 30)
+store_timeout        bound on store waits/barriers (default 300)
+join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
+keep_alive_interval, keep_alive_max_attempt
+                     passed to torch's DynamicRendezvousHandler. With
+                     ``--nnodes MIN:MAX`` torch's default last_call_timeout
+                     (30 s) is paid on every round: pass a short one.
+share_tcp_store      default false; see below
+===================  =========================================================
+
+The shared TCP store trap (torch 2.13): by default the rank-0 agent hosts one
+TCPStore that its workers reuse *across restarts* without a per-attempt
+prefix, so restarted gloo workers read the previous attempt's addresses and
+hang or fail. Unless ``share_tcp_store=true`` is given, creating an etcd3
+handler sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in this (agent)
+process, so each attempt's rank-0 worker hosts a fresh store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+from resilient.etcd.api import EtcdError, EtcdUnavailable
+from resilient.etcd.client import EtcdClient, LivenessLease, parse_endpoints
+from resilient.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousUnavailable
+from resilient.rendezvous.etcd3_backend import (
+    DEFAULT_KEY_PREFIX,
+    Etcd3RendezvousBackend,
+    Etcd3Store,
+)
+
+__all__ = ["BACKEND_NAME", "register", "create_etcd3_handler", "create_backend", "client_from_params"]
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "etcd3"
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+PASSWORD_ENV = "RESILIENT_ETCD_PASSWORD"
+
+
+def _seconds(params: RendezvousParameters, key: str, default: float | None) -> timedelta | None:
+    value: Any = params.get(key, None)
+    if value is None or value == "":
+        return None if default is None else timedelta(seconds=default)
+    if isinstance(value, timedelta):
+        return value
+    try:
+        secs = float(value)
+    except (TypeError, ValueError):
+        raise RendezvousConfigError(
+            f"rdzv config {key}={value!r} is not a number of seconds (e.g. {key}=5 or {key}=0.5)"
+        ) from None
+    if secs <= 0:
+        raise RendezvousConfigError(f"rdzv config {key}={value!r} must be positive")
+    return timedelta(seconds=secs)
+
+
+def _opt(params: RendezvousParameters, *keys: str) -> str | None:
+    for key in keys:
+        value = params.get(key, None)
+        if value not in (None, ""):
+            return str(value)
+    return None
+
+
+def client_from_params(params: RendezvousParameters) -> EtcdClient:
+    """An :class:`EtcdClient` from ``--rdzv-endpoint`` and the TLS/auth keys of ``--rdzv-conf``."""
+    if not params.endpoint:
+        raise RendezvousConfigError(
+            "the etcd3 rendezvous needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] "
+            "(resilient launch starts an embedded etcd when none is given)"
+        )
+    protocol = (_opt(params, "protocol") or "").lower()
+    if protocol not in ("", "http", "https"):
+        raise RendezvousConfigError(f"rdzv config protocol={protocol!r}: use http or https")
+    ca_cert = _opt(params, "ca_cert", "cacert")
+    cert = _opt(params, "ssl_cert", "cert")
+    key = _opt(params, "ssl_cert_key", "key")
+    if not protocol:
+        protocol = "https" if (ca_cert or cert) else "http"
+    try:
+        endpoints = [
+            f"{scheme or protocol}://" + (f"[{host}]" if ":" in host else host) + f":{port}"
+            for scheme, host, port in parse_endpoints(params.endpoint)
+        ]
+        username = _opt(params, "username", "user")
+        password = _opt(params, "password")
+        if username and password is None:
+            password = os.environ.get(PASSWORD_ENV)
+            if password is None:
+                raise RendezvousConfigError(
+                    f"rdzv config username={username!r} needs a password: "
+                    f"password=... in --rdzv-conf or the {PASSWORD_ENV} environment variable"
+                )
+        return EtcdClient(
+            endpoints,
+            ca_cert=ca_cert,
+            cert=cert,
+            key=key,
+            username=username,
+            password=password,
+            request_timeout=_seconds(params, "request_timeout", 5.0),  # type: ignore[arg-type]
+            retry_timeout=_seconds(params, "retry_timeout", 30.0),  # type: ignore[arg-type]
+        )
+    except EtcdError as exc:
+        raise RendezvousConfigError(str(exc)) from exc
+
+
+def create_backend(params: RendezvousParameters) -> tuple[Etcd3RendezvousBackend, Etcd3Store]:
+    """Connect to etcd (failing fast if unreachable) and build the backend and store."""
+    client = client_from_params(params)
+    try:
+        client.check(_seconds(params, "connect_timeout", 5.0))  # type: ignore[arg-type]
+    except EtcdUnavailable as exc:
+        client.close()
+        raise RendezvousUnavailable(f"etcd3 rendezvous for run {params.run_id!r}: {exc}") from exc
+    except EtcdError as exc:  # credentials or TLS refused
+        client.close()
+        raise RendezvousError(f"etcd3 rendezvous for run {params.run_id!r}: {exc}") from exc
+    prefix = (_opt(params, "key_prefix") or DEFAULT_KEY_PREFIX).rstrip("/")
+    lease = LivenessLease(client, _seconds(params, "lease_ttl", 60.0))  # type: ignore[arg-type]
+    backend = Etcd3RendezvousBackend(client, params.run_id, key_prefix=prefix, lease=lease)
+    store = Etcd3Store(
+        client,
+        f"{prefix}/{params.run_id}/store/",
+        lease=lease,
+        timeout=_seconds(params, "store_timeout", 300.0),  # type: ignore[arg-type]
+    )
+    return backend, store
+
+
+def _create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    if not params.get_as_bool("share_tcp_store", False):
+        if os.environ.get(SHARE_STORE_ENV) == "0":
+            log.warning("%s=0 was set explicitly; the etcd3 rendezvous overrides it to 1 "
+                        "(pass share_tcp_store=true to keep the shared store)", SHARE_STORE_ENV)
+        os.environ[SHARE_STORE_ENV] = "1"
+    backend, store = create_backend(params)
+    timeout = RendezvousTimeout(
+        join=_seconds(params, "join_timeout", None),
+        last_call=_seconds(params, "last_call_timeout", None),
+        close=_seconds(params, "close_timeout", None),
+        heartbeat=_seconds(params, "heartbeat_timeout", None),
+    )
+    keep_alive = _seconds(params, "keep_alive_interval", 5.0)
+    attempts = params.get_as_int("keep_alive_max_attempt", 3)
+    return DynamicRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=keep_alive.total_seconds(),  # type: ignore[arg-type,union-attr]
+        keep_alive_max_attempt=attempts if attempts is not None else 3,
+    )
+
+
+def create_etcd3_handler(params: RendezvousParameters | None = None) -> Any:
+    """Build a ``DynamicRendezvousHandler`` on etcd v3 for ``params``.
+
+    Called with no argument (how torch 2.13 invokes a ``torchrun.handlers``
+    entry point) it returns itself, the creator torch then registers.
+    """
+    if params is None:
+        return create_etcd3_handler
+    return _create_handler(params)
+
+
+def register() -> None:
+    """Register ``etcd3`` in torch's rendezvous handler registry. Idempotent."""
+    try:
+        # torch accepts re-registering the same creator (the entry point may have done it).
+        rendezvous_handler_registry.register(BACKEND_NAME, create_etcd3_handler)
+    except ValueError as exc:
+        raise RendezvousConfigError(
+            f"another rendezvous backend is already registered as {BACKEND_NAME!r} ({exc}); "
+            "uninstall the package that provides it"
+        ) from exc

@@ -1,0 +1,156 @@
+"""Bit-flip injection: the fault model of silent data corruption, on demand.
+
+A :class:`FlipSpec` names one bit of one element of one tensor on one rank at
+one step; :class:`BitFlipInjector` applies it at the loop's hook points. The
+chaos harness builds the same spec from a scenario file, so tests and chaos
+campaigns inject identical faults. Flips happen in place on the rank-local
+storage (a DTensor's ``_local_tensor``), through an integer view of the bytes,
+so they are exact: bit 31 of fp32 / 15 of bf16 is the sign, 30..23 / 14..7 the
+exponent, the rest the mantissa (bit 0 the lowest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from resilient.sdc.api import SdcError
+from resilient.sdc.checksums import bits_view, local
+
+TARGETS = ("grad", "param", "optim_state", "activation")
+
+
+@dataclass
+class FlipSpec:
+    """Which bit to flip, where, and when.
+
+    ``tensor`` is a parameter name as ``model.named_parameters()`` gives it
+    (for ``activation``: a module name as ``named_modules()`` gives it; the flip
+    hits that module's output). ``element`` indexes the *rank-local* flattened
+    tensor (the local shard of a DTensor); negative counts from the end.
+    ``persistent`` flips at every call from ``step`` on, replays included
+    (a bad device); otherwise once (a transient fault), and not again on replay.
+    """
+
+    target: str
+    tensor: str
+    bit: int
+    rank: int = 0
+    step: int = 0
+    element: int = 0
+    persistent: bool = False
+    state_key: str = "exp_avg"   # optimizer state entry for target="optim_state"
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise SdcError(f"FlipSpec.target={self.target!r}; use one of {TARGETS}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FlipSpec":
+        known = set(cls.__dataclass_fields__)
+        bad = set(d) - known
+        if bad:
+            raise SdcError(f"unknown FlipSpec keys {sorted(bad)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def flip_bit(t: torch.Tensor, element: int, bit: int) -> tuple[float, float]:
+    """Flip ``bit`` of flat ``element`` of ``t`` (or its local shard) in place.
+
+    Returns (old value, new value). Raises :class:`SdcError` for an element
+    outside the local shard or a bit outside the dtype.
+    """
+    x = local(t)
+    width = x.element_size() * 8
+    if not 0 <= bit < width:
+        raise SdcError(f"bit {bit} outside 0..{width - 1} for {x.dtype}")
+    n = x.numel()
+    if not -n <= element < n:
+        raise SdcError(f"element {element} outside the local tensor of {n} elements (shape {tuple(x.shape)})")
+    if not x.is_contiguous():
+        raise SdcError("flip_bit needs a contiguous local tensor")
+    flat = x.detach().view(-1)
+    ints = bits_view(flat)
+    with torch.no_grad():
+        old = float(flat[element])
+        mask = torch.tensor(1, dtype=ints.dtype) << bit if bit < width - 1 else torch.tensor(torch.iinfo(ints.dtype).min, dtype=ints.dtype)
+        ints[element] ^= mask.to(ints.device)
+        new = float(flat[element])
+    return old, new
+
+
+class BitFlipInjector:
+    """Applies a :class:`FlipSpec` on its rank; a no-op elsewhere.
+
+    Call :meth:`maybe_inject` at the point that matches the target: after
+    backward for ``grad``, after the optimizer step for ``param`` and
+    ``optim_state``; ``activation`` flips fire from a forward hook installed by
+    :meth:`attach` (the forward of step ``self.current_step``). ``log`` gets one
+    dict per flip (the chaos harness turns them into ``fault_injected`` events).
+    """
+
+    def __init__(self, spec: FlipSpec, rank: int, log: Callable[[dict], None] | None = None):
+        self.spec, self.rank, self.log = spec, rank, log
+        self.fired = 0
+        self.current_step = -1
+        self._handle = None
+
+    def _due(self, step: int) -> bool:
+        if self.rank != self.spec.rank:
+            return False
+        if self.spec.persistent:
+            return step >= self.spec.step
+        return step == self.spec.step and self.fired == 0
+
+    def _flip(self, t: torch.Tensor, step: int, what: str) -> dict:
+        old, new = flip_bit(t, self.spec.element, self.spec.bit)
+        self.fired += 1
+        rec = {"fault": "bitflip", "target": self.spec.target, "tensor": what, "bit": self.spec.bit,
+               "element": self.spec.element, "step": step, "rank": self.rank, "old": old, "new": new}
+        if self.log:
+            self.log(rec)
+        return rec
+
+    def maybe_inject(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict | None:
+        """Flip now if the spec is due at ``step`` on this rank; returns the flip record."""
+        self.current_step = step
+        if self.spec.target == "activation" or not self._due(step):
+            return None
+        params = dict(model.named_parameters())
+        if self.spec.tensor not in params:
+            raise SdcError(f"no parameter {self.spec.tensor!r}; names: {sorted(params)[:8]}...")
+        p = params[self.spec.tensor]
+        if self.spec.target == "param":
+            return self._flip(p, step, self.spec.tensor)
+        if self.spec.target == "grad":
+            if p.grad is None:
+                raise SdcError(f"{self.spec.tensor!r} has no gradient at step {step}; inject after backward")
+            return self._flip(p.grad, step, self.spec.tensor + ".grad")
+        if optimizer is None or p not in optimizer.state or self.spec.state_key not in optimizer.state[p]:
+            raise SdcError(f"no optimizer state {self.spec.state_key!r} for {self.spec.tensor!r} (after the first step?)")
+        return self._flip(optimizer.state[p][self.spec.state_key], step, f"{self.spec.tensor}.{self.spec.state_key}")
+
+    def attach(self, model: nn.Module) -> None:
+        """Install the forward hook for ``activation`` specs (idempotent)."""
+        if self.spec.target != "activation" or self._handle is not None:
+            return
+        mods = dict(model.named_modules())
+        if self.spec.tensor not in mods:
+            raise SdcError(f"no module {self.spec.tensor!r} for an activation flip")
+
+        def hook(_m, _inp, out):
+            if self._due(self.current_step) and isinstance(out, torch.Tensor):
+                out = out.clone()
+                self._flip(out, self.current_step, self.spec.tensor + ".output")
+                return out
+            return None
+
+        self._handle = mods[self.spec.tensor].register_forward_hook(hook)
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

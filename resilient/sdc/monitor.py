@@ -1,0 +1,498 @@
+"""SdcMonitor: the SDC checks at the training loop's hook points.
+
+The loop calls three hooks; each returns a :class:`~resilient.sdc.api.Decision`
+that is identical on every rank (the hooks are collective over the world group,
+so call them on every rank, every step)::
+
+    mon = SdcMonitor(cfg.sdc, events=log)
+    mon.watch_fsdp(model)                                  # after fully_shard
+    mon.watch_replicas("norms", lambda: [(n, p.grad) for n, p in norms], tp_group)
+    for step in steps:
+        loss = forward_backward(batch)
+        d = mon.after_backward(step, model, loss)
+        while d.action is Action.REPLAY:                   # recompute the same step
+            optimizer.zero_grad(); loss = forward_backward(batch)
+            d = mon.after_replay(step, model, loss)
+        if d.action in (Action.ROLLBACK, Action.QUARANTINE):
+            restore(d.rollback_to); quarantine(d.quarantine); continue
+        optimizer.step(); optimizer.zero_grad()
+        d = mon.after_optimizer_step(step, model)          # then capture the snapshot
+        if d.action is not Action.CONTINUE: restore(d.rollback_to) ...
+
+What each hook checks (details in the modules):
+
+* ``after_backward``: the linear check of every FSDP2 reduce-scatter
+  (:mod:`.reduction`), bitwise equality of registered replicated gradients
+  (:func:`.checksums.compare_replicas`), parameters at rest (the hash taken by
+  ``after_optimizer_step`` must still hold: nothing may change a parameter
+  between two optimizer steps), non-finite loss and pre-reduction gradients,
+  and robust spikes of the loss and of each rank's pre-reduction gradient L1.
+  A gradient-side suspicion asks for a REPLAY: the pre-step state is intact
+  (the optimizer has not run), so recomputing the step is the recovery.
+* ``after_replay``: the exact checks again, plus each rank's fingerprint of
+  its gradients against the original; the :class:`.replay.ReplayStateMachine`
+  turns them into verdicts. On-demand probes settle reproducible suspicions.
+* ``after_optimizer_step``: records the at-rest hash and, every
+  ``param_check_every`` steps, compares registered replicated parameters.
+
+Events (``resilient.events``): ``sdc_suspect``, ``sdc_replay``,
+``sdc_verdict``, ``sdc_probe``, ``quarantine``, ``rollback``; written by world
+rank 0 (every rank holds the same agreed facts), probes by the rank that ran them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilient.sdc.api import (KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA, Action,
+                               Decision, SdcConfig, SdcDetected, Suspicion, Verdict)
+from resilient.sdc.checksums import (AMAX, BITS, L1, SUM, RobustSpike, bitsum, compare_replicas, harmless_bound,
+                                     local, stats)
+from resilient.sdc.probes import Prober
+from resilient.sdc.reduction import ReductionCheck, attach_fsdp
+from resilient.sdc.replay import EXACT_KINDS, Match, ReplayStateMachine, compare, fingerprint
+
+Parts = nn.Module | Sequence[nn.Module]
+
+
+def _timed(fn):
+    """Count a hook's wall time into :meth:`SdcMonitor.overhead_seconds`."""
+    def wrapper(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *a, **kw)
+        finally:
+            self._hook_seconds += time.perf_counter() - t0
+    wrapper.__doc__, wrapper.__name__, wrapper.__wrapped__ = fn.__doc__, fn.__name__, fn
+    return wrapper
+
+
+def _parts(model_parts: Parts) -> list[nn.Module]:
+    return [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+
+
+def _named_params(model_parts: Parts) -> list[tuple[str, nn.Parameter]]:
+    out = []
+    for i, m in enumerate(_parts(model_parts)):
+        prefix = f"{i}:" if not isinstance(model_parts, nn.Module) else ""
+        out += [(prefix + n, p) for n, p in m.named_parameters()]
+    return out
+
+
+def device_id(device: torch.device | str | None = None) -> str:
+    """``host:cuda:N`` (or ``host:cpu:pid``): what a quarantine names."""
+    host = os.environ.get("RESILIENT_NODE_ID") or socket.gethostname()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cpu":
+        return f"{host}:cpu:{os.getpid()}"
+    return f"{host}:{device.type}:{device.index if device.index is not None else 0}"
+
+
+@dataclass
+class _ReplicaSet:
+    name: str
+    tensors: Callable[[], Iterable[tuple[str, torch.Tensor | None]]]
+    group: object
+    what: str  # "grad" or "param"
+
+
+class SdcMonitor:
+    """Runs the SDC checks at the hook points and agrees on one decision.
+
+    ``group`` is the world group (default: the default group) over which
+    decisions are agreed; ``device`` names this rank's device for attribution;
+    ``prober`` runs on-demand probes on this rank's device (built from ``cfg``
+    when omitted). With ``cfg.enable = False`` every hook returns CONTINUE at
+    once and no collective is issued.
+    """
+
+    def __init__(self, cfg: SdcConfig | None = None, *, events=None, group=None,
+                 device: torch.device | str | None = None, prober: Prober | None = None):
+        self.cfg = cfg or SdcConfig()
+        self.events = events
+        self.group = group
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        # global rank of each position in ``group`` (what suspicions name)
+        self.granks = dist.get_process_group_ranks(group or dist.group.WORLD) if dist.is_initialized() else [0]
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.prober = prober or Prober.from_config(self.cfg, self.device, events=events)
+        self.reductions: list[ReductionCheck] = []
+        self.replicas: list[_ReplicaSet] = []
+        self.sm = ReplayStateMachine(max_transients=self.cfg.max_transients)
+        self.loss_spikes: dict[int, RobustSpike] = {}
+        self.devices: dict[int, str] = {}
+        self._at_rest: tuple[int, list[str], torch.Tensor] | None = None  # (step, names, stats)
+        self._last_verified = -1   # newest step whose parameters a check verified clean
+        self._external: list[Suspicion] = []
+        self._hook_seconds = 0.0
+        self._probe_seen = 0
+        if self.cfg.enable and self.cfg.probe_every > 0:
+            self.prober.start(timedelta(seconds=self.cfg.probe_every))
+
+    def close(self) -> None:
+        """Stop the background prober (if ``probe_every`` started one)."""
+        self.prober.stop()
+
+    def _probe_suspicions(self, step: int) -> list[Suspicion]:
+        """Failures of background probes on this device since the last hook."""
+        results = self.prober.results[self._probe_seen:]
+        self._probe_seen += len(results)
+        return [Suspicion(step=step, rank=self.rank, kind=KIND_PROBE, tensor=f"{r.probe}:{r.dtype}",
+                          evidence={"max_excess": r.max_excess, "max_err": r.max_err})
+                for r in results if not r.ok]
+
+    # ---- registration -------------------------------------------------
+    def watch_fsdp(self, model_parts: Parts, group=None) -> None:
+        """Linear checks on every FSDP2 unit of ``model_parts`` (call after fully_shard)."""
+        if not self.cfg.enable:
+            return
+        for m in _parts(model_parts):
+            chk = attach_fsdp(m, group, safety=self.cfg.bound_safety, spike_k=self.cfg.grad_spike_k,
+                              spike_window=self.cfg.spike_window, spike_warmup=self.cfg.spike_warmup)
+            if chk.units:
+                self.reductions.append(chk)
+
+    def watch_replicas(self, name: str, tensors: Callable[[], Iterable[tuple[str, torch.Tensor | None]]],
+                       group, what: str = "grad") -> None:
+        """Tensors that must be bitwise equal across ``group``.
+
+        ``tensors()`` returns (name, tensor) pairs in the same order on every
+        rank of ``group``: reduced gradients (``what="grad"``, checked after
+        backward: tp-replicated norm weights' grads) or parameters
+        (``what="param"``, checked after the optimizer step every
+        ``param_check_every`` steps: DDP replicas). Every rank of the world
+        must register the same sets, each with its own group.
+        """
+        if what not in ("grad", "param"):
+            raise ValueError(f"what={what!r}; use 'grad' or 'param'")
+        self.replicas.append(_ReplicaSet(name, tensors, group, what))
+
+    def report(self, suspicions: Iterable[Suspicion]) -> None:
+        """Add suspicions from checks run by the loop itself (e.g. the result of
+        :func:`~resilient.sdc.reduction.checked_all_reduce` on DDP-style gradients);
+        they join the next ``after_backward`` / ``after_replay`` agreement."""
+        self._external.extend(suspicions)
+
+    # ---- helpers -------------------------------------------------------
+    def _emit(self, event: str, **fields) -> None:
+        if self.events is not None and self.rank == 0:
+            self.events.emit(event, **fields)
+
+    def _due(self, step: int, every: int) -> bool:
+        return self.cfg.enable and every > 0 and step % every == 0
+
+    def _devices(self) -> dict[int, str]:
+        if not self.devices:
+            mine = device_id(self.device)
+            if dist.is_initialized() and self.world > 1:
+                out: list = [None] * self.world
+                dist.all_gather_object(out, (self.rank, mine), group=self.group)
+                self.devices = dict(out)
+            else:
+                self.devices = {self.rank: mine}
+        return self.devices
+
+    def _agree(self, mine: list[Suspicion], extra=None) -> tuple[list[Suspicion], list]:
+        """Union of every rank's suspicions (deduplicated), plus each rank's ``extra``.
+
+        One all_gather_object; only on paths that already found something or on
+        replay, so the clean path pays the tiny tensor all_gather in
+        :meth:`_exchange_scalars` only.
+        """
+        if not dist.is_initialized() or self.world == 1:
+            return mine, [extra]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, (mine, extra), group=self.group)
+        seen, merged = set(), []
+        for sus, _ in out:
+            for s in sus:
+                key = (s.rank, s.kind, s.tensor)
+                if key not in seen:
+                    seen.add(key)
+                    merged.append(s)
+        merged.sort(key=lambda s: (s.rank, s.kind, s.tensor))
+        return merged, [e for _, e in out]
+
+    def _exchange_scalars(self, loss: float | None, n_local: int) -> torch.Tensor:
+        """All-gather (loss, has_loss, n_suspicions) of every rank: ``[world, 3]``."""
+        v = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0, float(n_local)],
+                         dtype=torch.float64)
+        if not dist.is_initialized() or self.world == 1:
+            return v.unsqueeze(0)
+        dev = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        out = [torch.empty(3, dtype=torch.float64, device=dev) for _ in range(self.world)]
+        dist.all_gather(out, v.to(dev), group=self.group)
+        return torch.stack(out).cpu()
+
+    def _at_rest_check(self, step: int, model_parts: Parts) -> list[Suspicion]:
+        if self._at_rest is None:
+            return []
+        rec_step, names, before = self._at_rest
+        params = dict(_named_params(model_parts))
+        # clean path: one int32 bit-sum per tensor (every single-bit flip changes it)
+        now_bits = torch.stack([bitsum(local(params[n]).detach()).to(torch.int64) for n in names]).cpu()
+        changed = now_bits != before[:, BITS].contiguous().view(torch.int64)
+        out = []
+        for i in torch.nonzero(changed).flatten().tolist():
+            p = params[names[i]]
+            now = stats([p])[0]
+            d = abs(float(now[SUM]) - float(before[i, SUM]))
+            bound = harmless_bound(local(p).dtype, float(before[i, AMAX]), float(before[i, L1]), local(p).numel())
+            out.append(Suspicion(step=step, rank=self.rank, kind=KIND_AT_REST, tensor=names[i],
+                                 device=self._devices()[self.rank],
+                                 harmless=math.isfinite(d) and d <= bound,
+                                 evidence={"hashed_after_step": rec_step, "dsum": d, "harmless_bound": bound}))
+        return out
+
+    def _grad_checks(self, step: int, judge: bool) -> list[Suspicion]:
+        sus, self._external = self._external, []
+        for chk in self.reductions:
+            sus += chk.check(step, judge_spikes=judge)
+        for rs in self.replicas:
+            if rs.what == "grad":
+                sus += compare_replicas(rs.tensors(), rs.group, step=step)
+        return sus
+
+    def _loss_checks(self, step: int, scalars: torch.Tensor, judge: bool) -> list[Suspicion]:
+        out = []
+        for i in range(scalars.shape[0]):
+            if scalars[i, 1] == 0:
+                continue
+            r, x = self.granks[i], float(scalars[i, 0])
+            if not math.isfinite(x):
+                out.append(Suspicion(step=step, rank=r, kind=KIND_NONFINITE, tensor="loss", evidence={"loss": x}))
+            elif judge and self.cfg.loss_spike_k > 0:
+                det = self.loss_spikes.setdefault(r, RobustSpike(self.cfg.loss_spike_k, self.cfg.spike_window,
+                                                                 self.cfg.spike_warmup))
+                spike, z = det.check(x)
+                if spike:
+                    out.append(Suspicion(step=step, rank=r, kind=KIND_LOSS_SPIKE, tensor="loss",
+                                         evidence={"loss": x, "robust_z": z}))
+        return out
+
+    def _finish(self, step: int, sus: list[Suspicion]) -> list[Suspicion]:
+        devs = self._devices()
+        for s in sus:
+            s.device = s.device or devs.get(s.rank, "")
+            self._emit("sdc_suspect", **s.as_event())
+        return sus
+
+    # ---- hooks -----------------------------------------------------------
+    @_timed
+    @torch.no_grad()
+    def after_backward(self, step: int, model_parts: Parts, loss: torch.Tensor | float | None) -> Decision:
+        """Gradient-side checks of ``step``; call after backward, before the optimizer."""
+        if not self.cfg.enable:
+            return Decision()
+        self._devices()   # collective on first use: every rank must reach it here
+        grads_due = self._due(step, self.cfg.check_every)
+        if not grads_due:
+            for chk in self.reductions:
+                chk.reset()
+        if grads_due:
+            mine = self._grad_checks(step, judge=True)
+        else:
+            mine, self._external = self._external, []
+        at_rest_step = self._at_rest[0] if self._at_rest is not None else None
+        mine += self._at_rest_check(step, model_parts)   # the hash of the last due step, if any
+        mine += self._probe_suspicions(step)
+        self._at_rest = None
+        lval = float(loss) if loss is not None else None
+        scalars = self._exchange_scalars(lval, len(mine))
+        loss_sus = self._loss_checks(step, scalars, judge=grads_due)
+        sus = mine
+        if scalars[:, 2].max() > 0:
+            sus, _ = self._agree(mine)
+        sus = self._finish(step, sorted(sus + loss_sus, key=lambda s: (s.rank, s.kind, s.tensor)))
+        if at_rest_step is not None and not any(s.kind == KIND_AT_REST and not s.harmless for s in sus):
+            self._last_verified = max(self._last_verified, at_rest_step)   # that version's parameters held
+        if not sus:
+            return Decision()
+        real = [s for s in sus if not s.harmless]
+        if not real:
+            return self._harmless(sus)
+        probed = sorted({s.rank for s in real if s.kind == KIND_PROBE})
+        if probed:   # a wrong known answer is direct evidence of a bad device
+            d = Decision(suspicions=sus, verdicts={r: Verdict.PERSISTENT for r in probed}, devices=dict(self._devices()))
+            for r in probed:
+                self._emit("sdc_verdict", step=step, suspect_rank=r, device=self._devices().get(r, ""),
+                           verdict="persistent", kinds=[KIND_PROBE])
+            return self._quarantine(step, d, probed)
+        at_rest = [s for s in real if s.kind == KIND_AT_REST]
+        if at_rest:
+            # a corrupted parameter poisons every rank's forward (NaN losses, mismatches
+            # downstream): the ranks whose memory changed are the cause, the rest consequences
+            return self._rollback(step, at_rest, suspicions=sus)
+        if not self.cfg.replay:
+            return self._rollback(step, real)
+        self.sm.suspect(step, real, fingerprint((n, p.grad) for n, p in _named_params(model_parts)))
+        self.sm.begin()
+        for chk in self.reductions:
+            chk.reset()
+        self._emit("sdc_replay", step=step, suspects=sorted({s.rank for s in real}), replay=self.sm.replays)
+        return Decision(action=Action.REPLAY, suspicions=sus, devices=dict(self._devices()))
+
+    @_timed
+    @torch.no_grad()
+    def after_replay(self, step: int, model_parts: Parts, loss: torch.Tensor | float | None) -> Decision:
+        """Verdicts for the step recomputed after a REPLAY decision (collective)."""
+        original = self.sm.suspicions
+        mine = [s for s in self._grad_checks(step, judge=False) if not s.harmless]
+        lval = float(loss) if loss is not None else None
+        scalars = self._exchange_scalars(lval, len(mine))
+        mine += [s for s in self._loss_checks(step, scalars, judge=False) if s.rank == self.rank]
+        fp = fingerprint((n, p.grad) for n, p in _named_params(model_parts))
+        match, detail = compare(self.sm.original, fp)
+        replay_sus, extras = self._agree(mine, (self.rank, match.value, detail))
+        matches = {r: Match(m) for r, m, _ in extras}
+        details = {r: d for r, _, d in extras}
+        still = {s.rank for s in replay_sus if s.kind in EXACT_KINDS or s.kind == KIND_NONFINITE}
+        involved = sorted({s.rank for s in original} | still)
+        # reproducible answers are settled by a known-answer probe on the device
+        reproducible = [r for r in involved if matches[r] is Match.SAME]
+        probe_failed = self._probe_ranks(step, reproducible)
+        per_rank = {}
+        for r in involved:
+            kinds = {s.kind for s in original + replay_sus if s.rank == r}
+            s_still = r in still
+            if matches[r] is Match.SAME:
+                if r in probe_failed:
+                    s_still = True
+                elif kinds <= {KIND_NONFINITE, KIND_LOSS_SPIKE, "grad_spike"}:
+                    s_still = False   # reproducible data/model behaviour on a device that passes probes
+            per_rank[r] = (matches[r], s_still)
+        if probe_failed:  # a probe singled out the bad device of a tie (two replicas, no majority)
+            for r in involved:
+                tie = [s for s in original if s.rank == r and s.kind == KIND_REPLICA and s.evidence.get("majority_bits") is None]
+                if r not in probe_failed and tie and per_rank[r] == (Match.SAME, True) and r not in self._other_kinds(r, original):
+                    per_rank[r] = (Match.SAME, False)
+        verdicts = self.sm.conclude(per_rank, self._devices())
+        for r, v in verdicts.items():
+            self._emit("sdc_verdict", step=step, suspect_rank=r, device=self._devices().get(r, ""), verdict=v.value,
+                       match=matches[r].value, still_suspect=per_rank[r][1], probe_failed=r in probe_failed,
+                       detail=details.get(r, {}))
+        bad = sorted(r for r, v in verdicts.items() if v is Verdict.PERSISTENT)
+        # a gradient fault never reached the parameters: the pre-step version is clean
+        d = Decision(suspicions=original + replay_sus, verdicts=verdicts, devices=dict(self._devices()),
+                     rollback_to=step - 1)
+        if bad:
+            return self._quarantine(step, d, bad)
+        return d
+
+    @_timed
+    @torch.no_grad()
+    def after_optimizer_step(self, step: int, model_parts: Parts) -> Decision:
+        """Record parameters at rest; compare replicated parameters (every ``param_check_every``)."""
+        for chk in self.reductions:   # the next step's backward records only if it will be checked
+            chk.arm(self._due(step + 1, self.cfg.check_every))
+        if not self._due(step, self.cfg.param_check_every):
+            return Decision()
+        self._devices()
+        named = _named_params(model_parts)
+        self._at_rest = (step, [n for n, _ in named], stats([p for _, p in named]))
+        psets = [rs for rs in self.replicas if rs.what == "param"]
+        if not psets:
+            return Decision()
+        mine = []
+        for rs in psets:
+            mine += compare_replicas(rs.tensors(), rs.group, step=step)
+        scalars = self._exchange_scalars(None, len(mine))
+        if scalars[:, 2].max() == 0:
+            return Decision()
+        sus, _ = self._agree(mine)
+        sus = self._finish(step, sus)
+        real = [s for s in sus if not s.harmless]
+        if not real:
+            return self._harmless(sus)
+        # the step already ran: its result cannot be replayed from here; go back
+        return self._rollback(step, real, rollback_to=self._last_verified)
+
+    # ---- outcomes ----------------------------------------------------------
+    def _harmless(self, sus: list[Suspicion]) -> Decision:
+        verdicts = {s.rank: Verdict.HARMLESS for s in sus}
+        for s in sus:
+            self._emit("sdc_verdict", step=s.step, suspect_rank=s.rank, device=s.device, verdict="harmless",
+                       kind=s.kind, tensor=s.tensor, evidence=s.evidence)
+        return Decision(action=Action.CONTINUE, suspicions=sus, verdicts=verdicts, devices=dict(self._devices()))
+
+    def _rollback(self, step: int, real: list[Suspicion], rollback_to: int | None = None,
+                  suspicions: list[Suspicion] | None = None) -> Decision:
+        """A fault already applied to state: roll back; repeat offenders are quarantined."""
+        devs = self._devices()
+        ranks = sorted({s.rank for s in real})
+        verdicts, bad = {}, []
+        for r in ranks:
+            escalate = self.sm.record_transient(devs.get(r, f"rank{r}"))
+            verdicts[r] = Verdict.PERSISTENT if escalate else Verdict.TRANSIENT
+            if escalate:
+                bad.append(r)
+            self._emit("sdc_verdict", step=step, suspect_rank=r, device=devs.get(r, ""), verdict=verdicts[r].value,
+                       kinds=sorted({s.kind for s in real if s.rank == r}))
+        to = self._last_verified if rollback_to is None else rollback_to
+        d = Decision(action=Action.ROLLBACK, suspicions=suspicions if suspicions is not None else real,
+                     verdicts=verdicts, devices=dict(devs), rollback_to=to)
+        if bad:
+            return self._quarantine(step, d, bad)
+        self._emit("rollback", step=step, to_step=to, reason="sdc", suspects=ranks)
+        self._at_rest = None
+        return d
+
+    def _quarantine(self, step: int, d: Decision, bad: list[int]) -> Decision:
+        devs = self._devices()
+        d.action, d.quarantine = Action.QUARANTINE, bad
+        d.rollback_to = self._last_verified if d.rollback_to is None else d.rollback_to
+        for r in bad:
+            self._emit("quarantine", step=step, suspect_rank=r, device=devs.get(r, ""), reason="sdc persistent")
+        self._emit("rollback", step=step, to_step=d.rollback_to, reason="sdc quarantine", suspects=bad)
+        self._at_rest = None
+        return d
+
+    def _probe_ranks(self, step: int, ranks: list[int]) -> set[int]:
+        """Run the on-demand probes on ``ranks`` (each on its own device); the set that failed."""
+        if not ranks:
+            return set()
+        ok = True
+        if self.rank in ranks:
+            ok = all(r.ok for r in self.prober.run_once(f"suspect step {step}"))
+            self._probe_seen = len(self.prober.results)   # judged here, not again by the next hook
+        flags = self._exchange_scalars(None, 0 if ok else 1)
+        failed = {r for i, r in enumerate(self.granks) if r in ranks and flags[i, 2] > 0}
+        return failed
+
+    @staticmethod
+    def _other_kinds(r: int, sus: list[Suspicion]) -> set[int]:
+        """{r} if rank r is suspected by anything but a tied replica comparison."""
+        return {r} if any(s.rank == r and not (s.kind == KIND_REPLICA and s.evidence.get("majority_bits") is None)
+                          for s in sus) else set()
+
+    def overhead_seconds(self) -> float:
+        """Host seconds spent so far in the hooks and in the reduce-scatter wrappers'
+        sums (on CUDA: launch time of the sums, which run on FSDP's stream)."""
+        return self._hook_seconds + sum(u.seconds for chk in self.reductions for u in chk.units)
+
+    def raise_if_fatal(self, d: Decision) -> None:
+        """For loops that cannot roll back: turn a QUARANTINE into :class:`SdcDetected`."""
+        if d.action is Action.QUARANTINE:
+            r = d.quarantine[0]
+            kinds = sorted({s.kind for s in d.suspicions if s.rank == r}) or [KIND_PROBE]
+            step = min((s.step for s in d.suspicions), default=-1)
+            raise SdcDetected(r, d.devices.get(r, ""), ",".join(kinds), step)
+
+    def note_restored(self, step: int) -> None:
+        """Tell the monitor the loop restored the version of ``step`` (resets at-rest hashes)."""
+        self._at_rest = None
+        self._last_verified = step

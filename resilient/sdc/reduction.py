@@ -1,0 +1,319 @@
+"""The linear check of a reduction: what went in must sum to what came out.
+
+After an FSDP2 reduce-scatter every dp rank holds a *different* shard of the
+reduced gradient, so there is no replica to compare with. But a reduction is
+linear: for destination rank ``r`` (which receives chunk ``r`` of every rank's
+flat input buffer ``x_k``)::
+
+    out_r = scale · Σ_k x_k[r]      ⇒      Σ out_r = scale · Σ_k Σ x_k[r]
+
+Each rank sums its input chunks in float64 *before* the collective (inside a
+wrapper around FSDP2's reduce-scatter comm, installed with the public
+``FSDPModule.set_custom_reduce_scatter``) and sums its local gradient shards in
+float64 *when the loop asks* (after backward, before the optimizer step). One
+all_gather of ``2N+3`` numbers per FSDP unit and rank compares the two.
+
+Rounding bound (derived, not tuned). Let ``u`` be the unit roundoff of the
+reduce dtype (``2**-24`` fp32, ``2**-8`` bf16) and ``L = Σ_k Σ_i |x_k[r]_i|``
+the float64 L1 of what went in. Each output element is produced by at most
+
+* ``N-1`` additions in the collective (any order or tree),
+* 1 rounding for the average / pre-/post-divide when ``scale != 1``,
+* 1 rounding for the cast to the parameter dtype when the reduce dtype differs
+  (we then take ``u`` of the coarser dtype),
+* ``c-1`` additions when ``c`` reduce-scatters accumulate into ``.grad``
+  (gradient accumulation without ``no_sync``),
+
+so with ``m`` = their count, Higham's bound for recursive sums gives
+``|Σ out_r - scale·Σ in_r| ≤ γ_m(u) · scale · L``, plus the error of the
+float64 sums themselves (``γ_n(2**-53)·L`` on each side, n the element count).
+The check uses ``bound_safety ×`` this (config: kernels that block or fuse the
+sum may round a little more often than the model counts).
+
+Coverage, honestly: the check sees corruption *in* the reduction (a bad link,
+a wrong add in the collective) and anything that changes the reduced gradient
+shard between the collective and the check (memory, a stray kernel) - a flip is
+caught when it moves the sum by more than the bound, i.e. when ``|Δx| ≳
+m·u·L``: sign, exponent and high-mantissa flips of elements of ordinary size in
+shards up to ~10⁶ elements (fp32), large elements beyond that. It does *not*
+see a wrong gradient computed by backward *before* the reduction (the wrong
+value goes in and comes out consistently); those are caught only when they are
+non-finite or move the rank's pre-reduction L1 out of its window (a per-rank
+robust spike test on the numbers this check collects anyway), or by replay.
+HSDP (a second all-reduce) is not covered: :func:`attach_fsdp` refuses it.
+Gradients must be zero or ``None`` before each step's first backward
+(``optimizer.zero_grad()``): pre-existing gradient mass is not in any input.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilient.sdc.api import KIND_GRAD_SPIKE, KIND_NONFINITE, KIND_REDUCTION, SdcError, Suspicion
+from resilient.sdc.checksums import RobustSpike, f64_sum, gamma, gather_stats, local, unit_roundoff
+
+_F64_U = 2.0 ** -53
+
+
+def linear_bound(ops: int, u: float, scale: float, l1_in: float, numel: int, safety: float = 1.0) -> float:
+    """The bound on |Σout - scale·Σin| derived in the module docstring."""
+    return safety * (gamma(max(ops, 1), u) * abs(scale) * l1_in + 2 * gamma(max(numel, 1), _F64_U) * abs(scale) * l1_in)
+
+
+try:  # the same function FSDP2 uses to choose its reduce op and divide factors
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch without FSDP2
+    _get_gradient_divide_factors = None
+    ReduceScatter = object
+    FSDPModule = None
+
+
+@dataclass
+class _Unit:
+    """One FSDP2 param group: its comm wrapper's records for the current step."""
+
+    fqn: str
+    module: Any
+    world: int
+    group: Any
+    pg: Any                                                      # FSDP2's FSDPParamGroup
+    reduce_dtype: torch.dtype | None = None                      # seen at the first call
+    scale: float = 1.0
+    u: float = 0.0
+    cast: bool = False                                           # reduce dtype != param dtype
+    armed: bool = True                                           # record this step's reductions?
+    seconds: float = 0.0                                         # host time spent in the sums (overhead)
+    in_sum: list[torch.Tensor] = field(default_factory=list)   # each [N] float64, per call
+    in_l1: list[torch.Tensor] = field(default_factory=list)
+    numel: int = 0
+
+    def params(self) -> list[nn.Parameter]:
+        return [fp.sharded_param for fp in self.module._get_fsdp_state()._fsdp_param_groups[0].fsdp_params]
+
+    def finalize(self) -> None:
+        """Derive scale and rounding unit once FSDP has lazily fixed its dtypes.
+
+        Uses FSDP2's own ``_get_gradient_divide_factors`` so the scale is the
+        one the reduction really applies (AVG, PREMUL_SUM, pre/post divide).
+        """
+        if self.u or self.reduce_dtype is None:
+            return
+        pg, n = self.pg, self.world
+        orig = self.params()[0].dtype
+        pre, post, rs_op, _ = _get_gradient_divide_factors(self.group, None, self.reduce_dtype, pg.device.type,
+                                                           pg.gradient_divide_factor, pg.force_sum_reduction_for_comms)
+        if rs_op == dist.ReduceOp.AVG:
+            scale = 1.0 / n
+        elif rs_op == dist.ReduceOp.SUM:
+            scale = 1.0
+        else:  # PREMUL_SUM(1/factor): the only other op FSDP2 picks
+            scale = 1.0 / float(pg.gradient_divide_factor)
+        self.scale = scale / post if post else scale
+        self.cast = self.reduce_dtype != orig
+        self.u = max(unit_roundoff(self.reduce_dtype), unit_roundoff(orig))
+
+    def reset(self) -> None:
+        self.in_sum.clear()
+        self.in_l1.clear()
+        self.numel = 0
+
+
+class CheckedReduceScatter(ReduceScatter):
+    """FSDP2 reduce-scatter comm that records float64 per-chunk sums of its input.
+
+    It delegates allocation and the collective to the comm it replaces, so the
+    reduced values are bitwise those of an unchecked run. On CUDA the sums are
+    enqueued on FSDP's reduce-scatter stream before the collective (the wrapper
+    is called there) and read back only after FSDP's end-of-backward wait.
+    """
+
+    def __init__(self, inner, unit: _Unit):
+        self.inner, self.unit = inner, unit
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        n = group.size()
+        self.unit.reduce_dtype = input_tensor.dtype
+        if not self.unit.armed:
+            return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
+                              async_op=async_op)
+        x = input_tensor.view(n, -1)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.unit.in_sum.append(torch.stack([f64_sum(row) for row in x]))   # per destination rank
+            # L1 only scales the bound: fp32 accumulation (relative error ~1e-4 at worst) is
+            # plenty against a safety factor of 2, and 2x cheaper than float64 on CPU
+            self.unit.in_l1.append(torch.stack([torch.linalg.vector_norm(row, 1) for row in x]).to(torch.float64))
+        self.unit.numel += x.shape[1] * n
+        self.unit.seconds += time.perf_counter() - t0
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
+
+
+class ReductionCheck:
+    """Linear checks of every FSDP2 reduce-scatter of a model, plus per-rank
+    pre-reduction sanity (non-finite, L1 spikes). See the module docstring.
+
+    Create with :func:`attach_fsdp`; call :meth:`check` once per step after
+    backward (every rank of the dp group, collectively).
+    """
+
+    def __init__(self, units: list[_Unit], group, safety: float = 2.0, spike_k: float = 50.0,
+                 spike_window: int = 50, spike_warmup: int = 10):
+        self.units, self.group, self.safety = units, group, safety
+        self.ranks = dist.get_process_group_ranks(group) if units else []
+        self.spikes = {r: RobustSpike(spike_k, spike_window, spike_warmup) for r in self.ranks}
+
+    def reset(self) -> None:
+        """Forget this step's records (call before a replay's backward)."""
+        for u in self.units:
+            u.reset()
+
+    def arm(self, on: bool) -> None:
+        """Record (or skip) the next backward's reductions: steps without a check
+        pay nothing in the comm wrapper. Must be the same on every rank."""
+        for u in self.units:
+            u.armed = on
+
+    @torch.no_grad()
+    def check(self, step: int, judge_spikes: bool = True) -> list[Suspicion]:
+        """Compare inputs and outputs of this step's reductions; collective over the dp group."""
+        if not self.units:
+            return []
+        n = self.units[0].world
+        rows = []
+        for u in self.units:
+            if u.in_sum:
+                s = torch.stack(u.in_sum).sum(0).cpu()
+                l = torch.stack(u.in_l1).sum(0).cpu()
+            else:
+                s = l = torch.zeros(n, dtype=torch.float64)
+            grads = [p.grad for p in u.params() if p.grad is not None]
+            if grads:
+                loc = [local(g) for g in grads]
+                osum = torch.stack([f64_sum(g) for g in loc]).sum().cpu()
+            else:
+                osum = torch.zeros((), dtype=torch.float64)
+            rows.append(torch.cat([s, l, osum.reshape(1), torch.zeros(1, dtype=torch.float64),
+                                   torch.tensor([len(u.in_sum), u.numel], dtype=torch.float64)]))
+        mine = torch.stack(rows)                      # [U, 2N+4]
+        allr = gather_stats(mine, self.group)         # [N, U, 2N+4]
+        self.reset()
+        out: list[Suspicion] = []
+        bad_in = set()
+        for k in range(n):                            # pre-reduction sanity of rank k's inputs
+            l1k = float(allr[k, :, n:2 * n].sum())
+            if not math.isfinite(l1k):
+                bad_in.add(k)
+                out.append(Suspicion(step=step, rank=self.ranks[k], kind=KIND_NONFINITE, tensor="*",
+                                     evidence={"where": "pre-reduction gradient", "l1": l1k}))
+            elif judge_spikes and l1k > 0:
+                spike, z = self.spikes[self.ranks[k]].check(math.log(l1k))
+                if spike:
+                    out.append(Suspicion(step=step, rank=self.ranks[k], kind=KIND_GRAD_SPIKE, tensor="*",
+                                         evidence={"log_l1": math.log(l1k), "robust_z": z}))
+        for ui, u in enumerate(self.units):
+            calls = int(allr[0, ui, 2 * n + 2])
+            if calls == 0 or bad_in:
+                continue
+            u.finalize()
+            numel = int(allr[0, ui, 2 * n + 3])
+            ops = (n - 1) + (1 if u.scale != 1 else 0) + (calls - 1) + (1 if u.cast else 0)
+            for r in range(n):
+                expect = u.scale * float(allr[:, ui, r].sum())
+                l1_in = float(allr[:, ui, n + r].sum())
+                got = float(allr[r, ui, 2 * n])
+                bound = linear_bound(ops, u.u, u.scale, l1_in, numel, self.safety)
+                err = abs(got - expect)
+                if not (err <= bound):   # NaN-safe
+                    out.append(Suspicion(step=step, rank=self.ranks[r], kind=KIND_REDUCTION, tensor=u.fqn,
+                                         evidence={"sum_out": got, "sum_in_scaled": expect, "err": err,
+                                                   "bound": bound, "l1_in": l1_in, "ops": ops, "calls": calls}))
+        return out
+
+
+def attach_fsdp(model: nn.Module, group=None, **kw) -> ReductionCheck:
+    """Install :class:`CheckedReduceScatter` on every FSDP2 unit of ``model``.
+
+    ``model`` may be one module or several (pipeline stages: pass each, or a
+    ``nn.ModuleList``). Call after ``fully_shard`` and after any
+    ``set_symm_mem``/``set_allocate_memory_from_process_group`` (they refuse a
+    custom comm). ``group`` defaults to the units' reduce-scatter group.
+    Raises :class:`SdcError` for HSDP (not covered) or a torch without FSDP2.
+    """
+    if FSDPModule is None or _get_gradient_divide_factors is None:
+        raise SdcError("this torch has no FSDP2 internals the linear check relies on; disable [sdc] or use torch>=2.6")
+    units: list[_Unit] = []
+    for fqn, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        if not groups:
+            continue
+        if len(groups) > 1:
+            raise SdcError(f"FSDP unit '{fqn}' has {len(groups)} param groups (per-param meshes); the linear check supports one")
+        pg = groups[0]
+        if isinstance(pg.mesh_info, DDPMeshInfo):
+            raise SdcError(f"FSDP unit '{fqn}' uses HSDP/replicate; its extra all-reduce is not covered by the linear check. Use plain FSDP over dp, or disable sdc for it")
+        rs_group = pg._reduce_scatter_process_group
+        if rs_group.size() == 1:
+            continue
+        unit = _Unit(fqn=fqn or "<root>", module=m, world=rs_group.size(), group=rs_group, pg=pg)
+        m.set_custom_reduce_scatter(CheckedReduceScatter(pg._reduce_scatter_comm, unit))
+        units.append(unit)
+    if units and group is None:
+        group = units[0].group
+    return ReductionCheck(units, group, **kw)
+
+
+@torch.no_grad()
+def checked_all_reduce(tensors: Sequence[torch.Tensor], group=None, *, step: int, name: str = "all_reduce",
+                       average: bool = True, safety: float = 2.0) -> list[Suspicion]:
+    """All-reduce ``tensors`` in place (DDP-style gradient sync) and verify it linearly.
+
+    Each rank records float64 sum/L1 of its inputs, runs the ordinary
+    ``all_reduce`` (SUM, then ``/N`` when ``average``), and one all_gather of
+    4 numbers per tensor compares every rank's output sum with the sum of all
+    inputs (bound as in the module docstring, ``m = N-1 (+1)``). A mismatch
+    names the rank whose *output* is off - the tie-breaker that plain replica
+    comparison lacks with two replicas.
+    """
+    n = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    loc = [local(t) for t in tensors]
+    ins = [(f64_sum(t), torch.linalg.vector_norm(t, 1).to(torch.float64)) for t in loc]
+    for t in loc:
+        dist.all_reduce(t, group=group)
+        if average:
+            t.div_(n)
+    rows = torch.stack([torch.stack([a, b, f64_sum(t), torch.tensor(float(t.numel()), dtype=torch.float64)])
+                        for (a, b), t in zip(ins, loc)]).cpu() if loc else torch.zeros(0, 4, dtype=torch.float64)
+    allr = gather_stats(rows, group)
+    scale = 1.0 / n if average else 1.0
+    out = []
+    for i, t in enumerate(loc):
+        bad_in = [r for r in range(n) if not math.isfinite(float(allr[r, i, 1]))]
+        if bad_in:   # a non-finite input poisons every output: name its source, not the victims
+            out += [Suspicion(step=step, rank=ranks[r], kind=KIND_NONFINITE, tensor=f"{name}[{i}]",
+                              evidence={"where": "pre-reduction", "l1": float(allr[r, i, 1])}) for r in bad_in]
+            continue
+        expect = scale * float(allr[:, i, 0].sum())
+        l1 = float(allr[:, i, 1].sum())
+        bound = linear_bound(n - 1 + (1 if average else 0), unit_roundoff(t.dtype), scale, l1, int(allr[0, i, 3]), safety)
+        for r in range(n):
+            got = float(allr[r, i, 2])
+            if not (abs(got - expect) <= bound):
+                out.append(Suspicion(step=step, rank=ranks[r], kind=KIND_REDUCTION, tensor=f"{name}[{i}]",
+                                     evidence={"sum_out": got, "sum_in_scaled": expect, "err": abs(got - expect), "bound": bound}))
+    return out

@@ -1,0 +1,154 @@
+"""The snapshot subsystem's typed records and errors.
+
+Everything another part of resilient (the tiers, the checkpoint tools, the
+training loop) needs to talk about a snapshot lives here: the records of the
+on-storage format (:class:`Manifest`, :class:`TensorRecord`,
+:class:`ChunkRecord`), what a restore returns (:class:`Restored`), and the
+errors, each of which says what to do about it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.errors import ResilientError
+
+__all__ = [
+    "SnapshotError", "SnapshotCorrupt", "SnapshotIncomplete", "SnapshotMismatch",
+    "FormatVersionError", "NoSnapshotFound", "StorageError",
+    "ChunkRecord", "TensorRecord", "Manifest", "Restored",
+]
+
+
+class SnapshotError(ResilientError):
+    """Base of every snapshot error. ``obj`` names the object (URL or path) at fault."""
+
+    def __init__(self, message: str, obj: str | None = None):
+        super().__init__(message)
+        self.obj = obj
+
+
+class SnapshotCorrupt(SnapshotError):
+    """Bytes read back do not match their checksum or cannot be decoded.
+
+    The version is unusable; restore falls back to the previous complete one.
+    Delete the named version (``resilient ckpt gc``) once the cause (disk,
+    network, a peer handing back bad bytes) is understood."""
+
+
+class SnapshotIncomplete(SnapshotError):
+    """A version lacks an object or does not cover every element of a tensor.
+
+    Usually a version whose upload was cut short or partly deleted by hand;
+    restore falls back to the previous complete version."""
+
+
+class SnapshotMismatch(SnapshotError):
+    """The checkpoint is of another model: a name, shape, dtype or config digest differs.
+
+    Point the run at the right checkpoint URL, or start fresh (resume off)."""
+
+
+class FormatVersionError(SnapshotError):
+    """The manifest was written by a newer resilient; upgrade resilient to read it."""
+
+
+class NoSnapshotFound(SnapshotError):
+    """No complete version exists at the URL (or none could be read)."""
+
+
+class StorageError(SnapshotError):
+    """Storage kept failing after every retry; check the URL, credentials and network."""
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One stored box of a tensor: ``sizes`` elements at global ``offsets``.
+
+    Its bytes are ``length`` bytes at byte ``offset`` of ``object`` (a path
+    relative to the version directory), row-major, little-endian; after
+    decompression they are ``raw_length`` bytes. ``checksum`` covers the
+    stored (possibly compressed) bytes."""
+
+    object: str
+    offset: int
+    length: int
+    raw_length: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    checksum: str
+    compression: str = "none"
+
+    def to_json(self) -> dict:
+        return {"object": self.object, "offset": self.offset, "length": self.length,
+                "raw_length": self.raw_length, "offsets": list(self.offsets),
+                "sizes": list(self.sizes), "checksum": self.checksum,
+                "compression": self.compression}
+
+
+@dataclass
+class TensorRecord:
+    """A tensor by its global name: global shape, dtype and the chunks that tile it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: list[ChunkRecord] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Manifest:
+    """The JSON manifest of one version (or of one rank's part of it).
+
+    ``rank`` is None for the global manifest, the writing rank for a rank
+    manifest. ``rank_extras`` maps each writer rank to its JSON extra state
+    (RNG states, ...); ``extra`` is the global JSON extra state."""
+
+    step: int
+    world: int
+    layout: dict[str, Any]
+    config_digest: str
+    attempt: str
+    tensors: dict[str, TensorRecord]
+    values: dict[str, Any] = field(default_factory=dict)
+    rank_extras: dict[int, Any] = field(default_factory=dict)
+    extra: Any = None
+    created: float = 0.0
+    rank: int | None = None
+    format_version: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of all chunks."""
+        return sum(c.length for t in self.tensors.values() for c in t.chunks)
+
+    @property
+    def objects(self) -> list[str]:
+        return sorted({c.object for t in self.tensors.values() for c in t.chunks})
+
+
+@dataclass
+class Restored:
+    """What :meth:`Snapshotter.restore` returns.
+
+    ``extra`` is the JSON extra this rank saved when the writer had a rank of
+    the same number (None otherwise: the layout shrank); ``rank_extras`` has
+    every writer rank's; ``global_extra`` is the global extra; ``layout`` and
+    ``world`` are the writer's."""
+
+    step: int
+    extra: Any
+    global_extra: Any
+    rank_extras: dict[int, Any]
+    layout: dict[str, Any]
+    world: int
+    url: str
+    resharded: bool

@@ -1,0 +1,162 @@
+"""Resharding arithmetic: boxes of global tensors, who holds which, overlaps.
+
+A *box* is a rectangular region of a global tensor (offsets + sizes per dim).
+Writers store boxes; a reader wants the box(es) of its current shard and
+copies the intersection with every stored box that overlaps it. Layout
+changes (dp 4 -> 3, tp on another dim, a pipeline re-split) are nothing but
+different boxes, so one piece of code does every reshard.
+
+A DTensor's local shard is computed with torch's own placement arithmetic
+(``_get_shard_size_and_offsets``, what ``compute_local_shape_and_global_offset``
+uses), so uneven FSDP2 shards (``torch.chunk`` sizes), TP ``Shard(0/1)``, both
+on a 2-D mesh, and ``_StridedShard`` (FSDP2 over TP on the same dim, whose
+local rows are not contiguous globally) all come out right: the local shard
+is cut into *pieces*, each a run of consecutive global indices per dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from resilient.snapshot.api import SnapshotError
+
+
+@dataclass(frozen=True)
+class Box:
+    """``sizes`` elements starting at ``offsets`` of a global tensor."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def intersect(self, other: "Box") -> "Box | None":
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def slices_within(self, outer: "Box") -> tuple[slice, ...]:
+        """Slices selecting this box inside a tensor that holds ``outer``."""
+        return tuple(slice(o - p, o - p + s) for o, p, s in zip(self.offsets, outer.offsets, self.sizes))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A part of a rank's local tensor that is one global box.
+
+    ``local`` is where it sits in the local tensor, ``box`` where in the global one."""
+
+    local: Box
+    box: Box
+
+
+def _runs(index: list[int]) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of maximal runs of consecutive global indices."""
+    runs: list[tuple[int, int, int]] = []
+    for i, g in enumerate(index):
+        if runs and runs[-1][1] + runs[-1][2] == g and runs[-1][0] + runs[-1][2] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, g, 1))
+    return runs
+
+
+def shard_pieces(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+                 placements: Sequence) -> list[Piece]:
+    """The pieces of the shard held at mesh coordinate ``coord``.
+
+    Pure arithmetic (no process group), so tests can simulate any layout."""
+    shape = list(global_shape)
+    index: dict[int, torch.Tensor] = {}
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise SnapshotError(
+                "a DTensor with a Partial placement holds unreduced values; redistribute it to "
+                "Shard/Replicate before snapshotting")
+        if not isinstance(p, (Shard, _StridedShard)):  # Replicate
+            continue
+        size, idx = _get_shard_size_and_offsets(
+            shape[p.dim], mesh_shape[mesh_dim], coord[mesh_dim], p, index.get(p.dim),
+            global_shape[p.dim], False)
+        shape[p.dim] = size
+        index[p.dim] = idx if size > 0 else torch.empty(0, dtype=torch.long)
+    if any(s == 0 for s in shape):
+        return []
+    per_dim = []
+    for d, n in enumerate(global_shape):
+        if d in index:
+            per_dim.append(_runs([int(v) for v in index[d].tolist()]))
+        else:
+            per_dim.append([(0, 0, n)])
+    pieces = []
+    for combo in product(*per_dim):
+        pieces.append(Piece(Box(tuple(r[0] for r in combo), tuple(r[2] for r in combo)),
+                            Box(tuple(r[1] for r in combo), tuple(r[2] for r in combo))))
+    return pieces
+
+
+def is_primary_replica(coord: Sequence[int], placements: Sequence) -> bool:
+    """Whether this coordinate writes its shard: the first among replicas.
+
+    Replicas of a shard differ only in mesh dims where the placement is
+    ``Replicate``; the one with coordinate 0 on all of them writes."""
+    return all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
+
+
+def local_pieces(t: torch.Tensor) -> tuple[tuple[int, ...], list[Piece], bool]:
+    """(global shape, pieces of this rank's local tensor, whether this rank writes it).
+
+    A plain tensor is one full piece; whether a rank writes a plain tensor is
+    decided by the caller (the lowest rank that holds its name)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        mesh = t.device_mesh
+        coord = mesh.get_coordinate()
+        if coord is None:  # this rank is not part of the tensor's mesh
+            return tuple(t.shape), [], False
+        pieces = shard_pieces(tuple(t.shape), tuple(mesh.shape), coord, t.placements)
+        return tuple(t.shape), pieces, is_primary_replica(coord, t.placements)
+    full = Box((0,) * t.dim(), tuple(t.shape))
+    return tuple(t.shape), ([Piece(full, full)] if t.numel() > 0 or t.dim() == 0 else []), True
+
+
+def split_rows(box: Box, itemsize: int, max_bytes: int) -> list[tuple[int, Box]]:
+    """Cut a box along dim 0 into boxes of at most ``max_bytes`` (at least one row).
+
+    Returns (row offset inside ``box``, sub-box). Small chunks bound what a
+    reader that wants part of a shard must fetch, and keep one checksum per
+    few MiB."""
+    if not box.sizes:
+        return [(0, box)]
+    row = itemsize
+    for s in box.sizes[1:]:
+        row *= s
+    rows = max(1, max_bytes // max(row, 1))
+    out = []
+    for r in range(0, box.sizes[0], rows):
+        n = min(rows, box.sizes[0] - r)
+        out.append((r, Box((box.offsets[0] + r,) + box.offsets[1:], (n,) + box.sizes[1:])))
+    return out
+
+
+def copy_overlap(src_box: Box, src: torch.Tensor, dst_box: Box, dst: torch.Tensor) -> int:
+    """Copy the overlap of two boxes from ``src`` (holding ``src_box``) into ``dst``; returns elements copied."""
+    hit = src_box.intersect(dst_box)
+    if hit is None:
+        return 0
+    dst[hit.slices_within(dst_box)].copy_(src[hit.slices_within(src_box)])
+    return hit.numel

@@ -1,0 +1,211 @@
+"""The on-storage format: manifest JSON codec, dtypes, checksums, compression.
+
+See docs/format.md for the layout another tool can read. Decoding never
+unpickles: a manifest is JSON checked field by field, a payload is raw
+row-major little-endian tensor bytes (optionally one zstd frame per chunk).
+
+Checksum: CRC-32 (``zlib.crc32``). Measured here on 256 MiB: crc32 3.2 GB/s,
+adler32 2.2, sha1 1.3, sha256 1.2, md5 0.5, blake2b 0.4; crc32 is the fastest
+available without extra packages, releases the GIL (so uploader threads
+checksum in parallel), and detects every burst error up to 32 bits; chunks
+are capped (``chunk_bytes``) so its 32 bits stay meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+import torch
+
+from resilient.snapshot.api import (
+    ChunkRecord, FormatVersionError, Manifest, SnapshotCorrupt, TensorRecord,
+)
+
+FORMAT_NAME = "resilient.snapshot"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+VERSION_PREFIX = "step-"
+ZSTD_LEVEL = 1
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+              torch.bool, torch.complex64, torch.complex128,
+              torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64)
+}
+
+
+def version_dir(step: int) -> str:
+    """Directory name of the version of ``step`` (zero-padded so names sort)."""
+    return f"{VERSION_PREFIX}{step:012d}"
+
+
+def parse_version_dir(name: str) -> int | None:
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    if not base.startswith(VERSION_PREFIX):
+        return None
+    digits = base[len(VERSION_PREFIX):]
+    return int(digits) if digits.isdigit() else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"dtype {dtype} cannot be snapshotted; cast the tensor to a supported dtype ({sorted(_DTYPES)})")
+    return name
+
+
+def dtype_from_name(name: str, where: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise SnapshotCorrupt(f"{where}: unknown dtype {name!r}; the manifest is damaged or from an incompatible writer", where) from None
+
+
+def checksum(data: Any) -> str:
+    """Self-describing checksum string of a bytes-like object."""
+    return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def verify(data: Any, expected: str, where: str) -> None:
+    """Raise :class:`SnapshotCorrupt` naming ``where`` when ``data`` does not match."""
+    algo = expected.split(":", 1)[0]
+    if algo != "crc32":
+        raise SnapshotCorrupt(f"{where}: unknown checksum algorithm {algo!r}", where)
+    got = checksum(data)
+    if got != expected:
+        raise SnapshotCorrupt(
+            f"{where}: checksum mismatch (stored {expected}, read {got}); the bytes were "
+            "corrupted in storage or transit. Restore falls back to an older version; "
+            "delete this one once the cause is found", where)
+
+
+def compress(data: Any) -> bytes:
+    import zstandard
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+
+
+def decompress(data: Any, raw_length: int, where: str) -> bytes:
+    import zstandard
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_length)
+    except zstandard.ZstdError as e:
+        raise SnapshotCorrupt(f"{where}: zstd frame does not decode ({e})", where) from None
+    if len(out) != raw_length:
+        raise SnapshotCorrupt(f"{where}: decompressed to {len(out)} bytes, expected {raw_length}", where)
+    return out
+
+
+def should_compress(policy: str, dtype: torch.dtype, remote: bool) -> bool:
+    """The compression policy: zstd only where it beats the link.
+
+    Measured: zstd-1 runs ~0.4-0.5 GB/s per core at ratio ~1.08 for fp32 and
+    ~1.28 for bf16, so it never beats a local disk (0.5-1 GB/s) and only pays
+    for 16-bit floats on remote links. ``auto`` encodes exactly that."""
+    if policy == "zstd":
+        return True
+    if policy == "auto":
+        return remote and dtype in (torch.bfloat16, torch.float16)
+    return False
+
+
+# ---------------------------------------------------------------- manifest codec
+
+def manifest_to_json(m: Manifest) -> bytes:
+    doc = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step": m.step,
+        "rank": m.rank,
+        "world": m.world,
+        "layout": m.layout,
+        "config_digest": m.config_digest,
+        "attempt": m.attempt,
+        "created": m.created,
+        "tensors": {
+            name: {"shape": list(t.shape), "dtype": t.dtype, "chunks": [c.to_json() for c in t.chunks]}
+            for name, t in m.tensors.items()
+        },
+        "values": m.values,
+        "ranks": {str(r): {"extra": e} for r, e in sorted(m.rank_extras.items())},
+        "extra": m.extra,
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _need(doc: dict, key: str, types: Any, where: str) -> Any:
+    if key not in doc:
+        raise SnapshotCorrupt(f"{where}: manifest lacks field {key!r}; it is truncated or not a resilient manifest", where)
+    value = doc[key]
+    if not isinstance(value, types) or (isinstance(value, bool) and types is int):
+        raise SnapshotCorrupt(f"{where}: manifest field {key!r} has type {type(value).__name__}", where)
+    return value
+
+
+def _ints(value: Any, key: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise SnapshotCorrupt(f"{where}: {key} must be a list of non-negative integers", where)
+    return tuple(value)
+
+
+def _chunk_from_json(doc: Any, shape: tuple[int, ...], name: str, where: str) -> ChunkRecord:
+    if not isinstance(doc, dict):
+        raise SnapshotCorrupt(f"{where}: a chunk of {name!r} is not an object", where)
+    offsets = _ints(_need(doc, "offsets", list, where), "offsets", where)
+    sizes = _ints(_need(doc, "sizes", list, where), "sizes", where)
+    if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+            o + s > d for o, s, d in zip(offsets, sizes, shape)):
+        raise SnapshotCorrupt(f"{where}: a chunk of {name!r} ({offsets}+{sizes}) lies outside its shape {list(shape)}", where)
+    c = ChunkRecord(
+        object=_need(doc, "object", str, where), offset=_need(doc, "offset", int, where),
+        length=_need(doc, "length", int, where), raw_length=_need(doc, "raw_length", int, where),
+        offsets=offsets, sizes=sizes, checksum=_need(doc, "checksum", str, where),
+        compression=_need(doc, "compression", str, where))
+    if c.offset < 0 or c.length < 0 or ".." in c.object.split("/") or c.object.startswith("/"):
+        raise SnapshotCorrupt(f"{where}: a chunk of {name!r} has a bad object path or range", where)
+    if c.compression not in ("none", "zstd"):
+        raise SnapshotCorrupt(f"{where}: unknown compression {c.compression!r}", where)
+    return c
+
+
+def manifest_from_json(data: bytes, where: str) -> Manifest:
+    """Parse and check a manifest; ``where`` names it in errors.
+
+    Raises :class:`FormatVersionError` for a newer format and
+    :class:`SnapshotCorrupt` for anything truncated, garbled or inconsistent."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, absurd nesting or ints
+        raise SnapshotCorrupt(f"{where}: manifest is not valid JSON ({e}); it is truncated or garbled", where) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise SnapshotCorrupt(f"{where}: not a {FORMAT_NAME} manifest", where)
+    version = _need(doc, "format_version", int, where)
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: format version {version} is newer than this resilient reads ({FORMAT_VERSION}); "
+            "upgrade resilient to restore it", where)
+    tensors = {}
+    for name, t in _need(doc, "tensors", dict, where).items():
+        if not isinstance(t, dict):
+            raise SnapshotCorrupt(f"{where}: tensor {name!r} is not an object", where)
+        shape = _ints(_need(t, "shape", list, where), "shape", where)
+        dtype = _need(t, "dtype", str, where)
+        dtype_from_name(dtype, where)
+        chunks = [_chunk_from_json(c, shape, name, where) for c in _need(t, "chunks", list, where)]
+        tensors[name] = TensorRecord(name, shape, dtype, chunks)
+    ranks = _need(doc, "ranks", dict, where)
+    try:
+        rank_extras = {int(r): v.get("extra") for r, v in ranks.items()}
+    except (ValueError, AttributeError):
+        raise SnapshotCorrupt(f"{where}: 'ranks' is malformed", where) from None
+    rank = doc.get("rank")
+    return Manifest(
+        step=_need(doc, "step", int, where), world=_need(doc, "world", int, where),
+        layout=_need(doc, "layout", dict, where), config_digest=_need(doc, "config_digest", str, where),
+        attempt=_need(doc, "attempt", str, where), tensors=tensors,
+        values=_need(doc, "values", dict, where), rank_extras=rank_extras, extra=doc.get("extra"),
+        created=float(_need(doc, "created", (int, float), where)),
+        rank=rank if isinstance(rank, int) else None, format_version=version)

@@ -1,0 +1,129 @@
+"""Restore: newest complete version -> the current layout's tensors, in place.
+
+Each rank works out the boxes its current shards cover, fetches only the
+chunks that overlap them, verifies every checksum, and stages the result in
+host memory. Only when *every* rank staged the same version without error
+(one all-reduce: all ranks must load the same step) is anything copied into
+the model, so a corrupt range never reaches it and ranks never mix versions.
+Otherwise all ranks fall back to the previous complete version together
+(``restore_fallback``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilient.snapshot.api import (
+    Manifest, Restored, SnapshotError, SnapshotMismatch,
+)
+from resilient.snapshot.boxes import Box, local_pieces
+from resilient.snapshot.durable import emit
+from resilient.snapshot.flatten import iter_leaves
+from resilient.snapshot.format import dtype_name
+from resilient.snapshot.reader import SnapshotReader, fill_many
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_ok(ok: bool) -> bool:
+    """True when every rank says ok (a MIN all-reduce; no-op without a process group)."""
+    if not _dist():
+        return ok
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _candidates(reader: SnapshotReader) -> list[int]:
+    """Complete steps, newest first, as rank 0 sees them (so all ranks try the same list)."""
+    steps = sorted(reader.complete_steps(), reverse=True) if not _dist() or dist.get_rank() == 0 else None
+    if _dist():
+        box = [steps]
+        dist.broadcast_object_list(box, src=0)
+        steps = box[0]
+    return steps
+
+
+def _stage(reader: SnapshotReader, m: Manifest, state: dict, config_digest: str,
+           strict: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[Any, Any, Any]], int]:
+    """Read and verify this rank's part of version ``m`` into host staging tensors."""
+    if strict and config_digest and m.config_digest and m.config_digest != config_digest:
+        raise SnapshotMismatch(
+            f"{reader.url} step {m.step}: config digest {m.config_digest} differs from this run's "
+            f"{config_digest}: it is a checkpoint of another model. Point the run at its own checkpoint "
+            "URL or start fresh", reader.manifest_path(m.step))
+    copies, assigns, jobs = [], [], []
+    for name, value, container, key in iter_leaves(state):
+        if not isinstance(value, torch.Tensor):
+            if name in m.values:
+                assigns.append((container, key, m.values[name]))
+            elif strict:
+                raise SnapshotMismatch(f"{reader.url} step {m.step}: no value {name!r} stored", reader.manifest_path(m.step))
+            continue
+        rec = m.tensors.get(name)
+        if rec is None:
+            raise SnapshotMismatch(
+                f"{reader.url} step {m.step}: no tensor {name!r}; the checkpoint is of another model "
+                "(or names changed). Point the run at its own checkpoint URL", reader.manifest_path(m.step))
+        if rec.shape != tuple(value.shape) or rec.dtype != dtype_name(value.dtype):
+            raise SnapshotMismatch(
+                f"{reader.url} step {m.step}: {name!r} is {list(rec.shape)} {rec.dtype} there, "
+                f"{list(value.shape)} {dtype_name(value.dtype)} here: a checkpoint of another model",
+                reader.manifest_path(m.step))
+        _, pieces, _ = local_pieces(value)
+        local = value.to_local() if hasattr(value, "to_local") else value
+        wanted = []
+        for p in pieces:
+            stage = torch.empty(p.box.sizes, dtype=local.dtype)
+            wanted.append((p.box, stage))
+            copies.append((local[p.local.slices_within(Box((0,) * local.dim(), tuple(local.shape)))], stage))
+        if wanted:
+            jobs.append((rec, wanted))
+    nbytes = fill_many(reader, m, jobs)
+    return copies, assigns, nbytes
+
+
+def restore_state(reader: SnapshotReader, state: dict, *, rank: int, config_digest: str = "",
+                  strict: bool = True, events: Any = None, layout: dict | None = None) -> Restored | None:
+    """Restore ``state`` (nested dict of tensors/DTensors/JSON) in place from the newest usable version.
+
+    Returns None when no complete version exists. Raises the newest version's
+    error when versions exist but none can be restored on every rank."""
+    t0 = time.monotonic()
+    first_error: SnapshotError | None = None
+    for step in _candidates(reader):
+        err: SnapshotError | None = None
+        try:
+            m = reader.manifest(step)
+            with torch.no_grad():
+                copies, assigns, nbytes = _stage(reader, m, state, config_digest, strict)
+        except SnapshotError as e:
+            err = e
+        if _all_ok(err is None):
+            with torch.no_grad():
+                for dst, staged in copies:
+                    dst.copy_(staged)
+            for container, key, value in assigns:
+                container[key] = value
+            world = dist.get_world_size() if _dist() else 1
+            resharded = m.world != world or (layout is not None and m.layout != layout)
+            emit(events, "restore", step=m.step, url=reader.url, seconds=round(time.monotonic() - t0, 4),
+                 bytes_read=nbytes, resharded=resharded, writer_world=m.world)
+            return Restored(step=m.step, extra=m.rank_extras.get(rank), global_extra=m.extra,
+                            rank_extras=m.rank_extras, layout=m.layout, world=m.world, url=reader.url,
+                            resharded=resharded)
+        if err is None:
+            err = SnapshotError(f"{reader.url} step {step}: another rank could not restore it (see its log)")
+        first_error = first_error or err
+        emit(events, "restore_fallback", step=step, url=reader.url, error=str(err),
+             error_type=type(err).__name__, obj=err.obj)
+    if first_error is not None:
+        raise first_error
+    return None

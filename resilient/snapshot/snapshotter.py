@@ -1,0 +1,219 @@
+"""The library API: snapshots and restore for any torch training script.
+
+    snap = Snapshotter("file:///runs/a/checkpoints", every=100)
+    got = snap.restore(state)            # at start; None on a fresh run
+    for step in ...:
+        ...; opt.step()
+        snap.save(step, state, extra={"rng": rng_state()})   # returns after the host copy
+    snap.close()
+
+``state`` is a nested dict whose leaves are tensors, DTensors or JSON values
+(e.g. ``{"model": model_sd, "optim": optim_sd}`` from
+``torch.distributed.checkpoint.state_dict.get_state_dict``). Tensors are
+captured into host buffers on the calling thread; storage I/O happens on
+background threads, so ``save`` never waits for storage or for other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilient.snapshot.api import Restored
+from resilient.snapshot.config import SnapshotConfig
+from resilient.snapshot.capture import SlotRing, build_plan, state_signature
+from resilient.snapshot.durable import Committer, DurableOptions, Uploader, emit
+from resilient.snapshot.flatten import split_state
+from resilient.snapshot.reader import SnapshotReader
+from resilient.snapshot.restore import restore_state
+from resilient.snapshot.storage import RetryPolicy, open_url
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Snapshotter:
+    """Asynchronous, sharded, checksummed snapshots to an fsspec URL.
+
+    Every rank of a job creates one with the same arguments (after
+    ``init_process_group``) and calls :meth:`save` at the same steps.
+
+    - ``every``: capture when ``step % every == 0`` (0: only when forced);
+      ``seconds``: also capture when this much time passed since the last.
+    - ``layout``: free-form dict stored in the manifest (e.g. pp/dp/tp/world).
+    - ``config_digest``: identifies the model; restore refuses another's.
+    - ``overlap``: on CUDA, let the next kernels run before the device-to-host
+      copy ends; then call :meth:`fence` before modifying the parameters
+      (i.e. before ``optimizer.step()``).
+    """
+
+    def __init__(self, url: str, *, every: int = 1, seconds: float = 0.0, events: Any = None,
+                 layout: dict | None = None, config_digest: str = "", keep_last: int = 3,
+                 keep_every: int = 0, compress: str = "auto", threads: int = 4,
+                 part_bytes: int = 64 << 20, chunk_bytes: int = 16 << 20,
+                 storage_options: dict | None = None, retry: RetryPolicy = RetryPolicy(),
+                 commit_timeout: timedelta = timedelta(minutes=30), overlap: bool = False):
+        self.url, self.every, self.seconds, self.events = url, every, seconds, events
+        self.rank, self.world = _rank_world()
+        if seconds > 0 and self.world > 1:
+            # Clocks differ between ranks: a time trigger would capture different steps on
+            # different ranks. The caller decides (e.g. rank 0 broadcasts) and passes force=True.
+            warnings.warn("Snapshotter(seconds=...) is ignored with several ranks; decide on one rank, "
+                          "broadcast, and call save(..., force=True) on all", RuntimeWarning)
+            self.seconds = 0.0
+        self.layout = dict(layout or {"world": self.world})
+        self.config_digest, self.overlap = config_digest, overlap
+        self.storage_options, self.retry = storage_options, retry
+        self.opts = DurableOptions(threads=threads, compress=compress, keep_last=keep_last,
+                                   keep_every=keep_every, part_bytes=part_bytes, chunk_bytes=chunk_bytes,
+                                   commit_timeout=commit_timeout, retry=retry)
+        fs, root = open_url(url, storage_options)
+        self._ring = SlotRing(2)
+        self._committer = Committer(fs, root, self.world, self.opts, events, url) if self.rank == 0 else None
+        self._uploader = Uploader(fs, root, self.rank, self.world, self._ring, self.opts, events,
+                                  self.layout, config_digest, self._committer)
+        self._plan = None
+        self._sig: tuple = ()
+        self._seq = 0  # captures so far: the same on every rank
+        self._plain_writers: set[str] | None = None  # None: this rank writes every plain tensor
+        self._last_time = time.monotonic()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: SnapshotConfig, url: str, **kw: Any) -> "Snapshotter":
+        """A durable-tier Snapshotter from the ``[snapshot]`` config section.
+
+        ``url`` is ``cfg.durable_url`` or the run's default; ``kw`` adds
+        ``events``, ``layout``, ``config_digest``, ``storage_options``."""
+        return cls(url, every=cfg.durable_every, seconds=cfg.durable_seconds, keep_last=cfg.keep_last,
+                   keep_every=cfg.keep_every, compress=cfg.compress, threads=cfg.upload_threads,
+                   chunk_bytes=cfg.chunk_mib << 20, part_bytes=cfg.part_mib << 20, **kw)
+
+    # ------------------------------------------------------------------ save
+    def due(self, step: int) -> bool:
+        """Whether :meth:`save` at ``step`` would capture (same answer on every rank for ``every``)."""
+        if self.every > 0 and step % self.every == 0:
+            return True
+        return self.seconds > 0 and time.monotonic() - self._last_time >= self.seconds
+
+    def _agree(self, tensors: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
+        """On a new state structure (a collective): share rank 0's attempt token and pick
+        each plain tensor's and JSON value's writer: the lowest rank that holds the name."""
+        token = self._uploader.attempt or uuid.uuid4().hex[:12]
+        plain = sorted(n for n, t in tensors.items() if not hasattr(t, "placements")) + sorted(values)
+        if self.world == 1:
+            self._uploader.attempt = token
+            self._plain_writers = None
+            return
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, {"token": token, "plain": plain})
+        token = gathered[0]["token"]
+        owner: dict[str, int] = {}
+        for r, g in enumerate(gathered):
+            for n in g["plain"]:
+                owner.setdefault(n, r)
+        self._plain_writers = {n for n, r in owner.items() if r == self.rank}
+        self._uploader.attempt = token
+
+    def save(self, step: int, state: dict, extra: Any = None, global_extra: Any = None,
+             force: bool = False) -> bool:
+        """Capture ``state`` as version ``step`` if due (or ``force``); returns whether it did.
+
+        Blocks only for the copy into host memory. ``extra`` is this rank's
+        JSON state (RNG, ...); ``global_extra`` (rank 0's is kept) is the
+        run's (data position, scheduler). Non-tensor leaves of ``state`` are
+        stored as JSON (the lowest rank holding a name writes it)."""
+        if self._closed or not (force or self.due(step)):
+            return False
+        t0 = time.perf_counter()
+        tensors, values = split_state(state)
+        sig = (state_signature(tensors), tuple(values))
+        if self._plan is None or self._sig != sig:
+            self._agree(tensors, values)
+            self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
+            self._sig = sig
+        pin = torch.cuda.is_available() and any(
+            (t.to_local() if hasattr(t, "to_local") else t).is_cuda for t in tensors.values())
+        mine = self._plain_writers
+        # JSON state is frozen now: the loop may mutate it (an LR scheduler) before the upload.
+        frozen = json.loads(json.dumps({"extra": extra, "global": global_extra, "values": {
+            k: v for k, v in values.items() if mine is None or k in mine}}, allow_nan=False))
+        slot, skipped = self._ring.acquire(self._plan, pin)
+        try:
+            with torch.no_grad():
+                self._ring.copy_into(slot, tensors, self.overlap)
+        except BaseException:
+            self._ring.release(slot)
+            raise
+        slot.step, slot.seq, slot.extra, slot.global_extra = step, self._seq, frozen["extra"], frozen["global"]
+        self._seq += 1
+        slot.values = frozen["values"]
+        self._ring.publish(slot)
+        self._last_time = time.monotonic()
+        blocked = time.perf_counter() - t0
+        emit(self.events, "snapshot", step=step, bytes=self._plan.total_bytes, blocked_s=round(blocked, 6),
+             coalesced=skipped)
+        return True
+
+    def prepare(self, state: dict) -> None:
+        """Optional, before training: plan and allocate (and fault in) both host buffers,
+        so the first :meth:`save` costs only its copy. Collective like :meth:`save`."""
+        tensors, values = split_state(state)
+        self._agree(tensors, values)
+        self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
+        self._sig = (state_signature(tensors), tuple(values))
+        pin = torch.cuda.is_available() and any(
+            (t.to_local() if hasattr(t, "to_local") else t).is_cuda for t in tensors.values())
+        self._ring.preallocate(self._plan, pin)
+
+    def fence(self) -> None:
+        """On CUDA with ``overlap=True``: order later kernels after the capture copies."""
+        if torch.cuda.is_available():
+            self._ring.fence()
+
+    # --------------------------------------------------------------- restore
+    def restore(self, state: dict, strict: bool = True) -> Restored | None:
+        """Load the newest complete, verified version into ``state`` in place.
+
+        Collective: every rank calls it. Returns None on a fresh run (no
+        version); falls back to older versions when the newest is corrupt."""
+        reader = SnapshotReader(self.url, self.storage_options, self.retry, self.opts.threads * 2)
+        return restore_state(reader, state, rank=self.rank, config_digest=self.config_digest,
+                             strict=strict, events=self.events, layout=self.layout)
+
+    # ------------------------------------------------------------ lifecycle
+    def wait(self, timeout: timedelta = timedelta(minutes=10)) -> bool:
+        """Wait until captured versions are written (and, on rank 0, committed when possible)."""
+        ok = self._ring.wait_idle(timeout)
+        if self._committer is not None:
+            ok = self._committer.wait_idle(timeout) and ok
+        return ok
+
+    @property
+    def committed_step(self) -> int | None:
+        """Newest step this process committed (rank 0 only; None elsewhere)."""
+        return self._committer.committed if self._committer is not None else None
+
+    def close(self, timeout: timedelta = timedelta(minutes=10)) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._uploader.close(timeout)
+        if self._committer is not None:
+            self._committer.close(timeout)
+
+    def __enter__(self) -> "Snapshotter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

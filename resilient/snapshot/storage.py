@@ -1,0 +1,135 @@
+"""fsspec access for the durable tier: open a URL, retry, write atomically.
+
+Every call to storage goes through :func:`with_retry`: transient errors
+(``OSError`` and its kin, which is what s3fs/botocore and local disks raise)
+are retried with exponential backoff and jitter until a deadline; anything
+else is a bug and propagates at once.
+
+Writes are *atomic* per object: on a local filesystem a temporary file is
+fsynced and renamed into place; object stores (S3, GCS, ...) already make a PUT visible
+all at once. After writing, the object's size is checked, which catches a
+write that was torn without an error.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterable, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete, StorageError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff: ``initial`` doubling up to ``maximum``, given up after ``deadline``."""
+
+    initial: timedelta = timedelta(milliseconds=50)
+    maximum: timedelta = timedelta(seconds=5)
+    deadline: timedelta = timedelta(minutes=2)
+    attempts: int = 12
+
+
+TRANSIENT = (OSError, TimeoutError, ConnectionError)
+
+
+def with_retry(fn: Callable[[], T], what: str, policy: RetryPolicy,
+               on_retry: Callable[[int, BaseException], None] | None = None) -> T:
+    """Run ``fn`` until it succeeds; raise :class:`StorageError` naming ``what`` when it never does.
+
+    ``FileNotFoundError`` is not transient for reads; callers that expect it
+    catch it themselves (it propagates unchanged)."""
+    start = time.monotonic()
+    delay = policy.initial.total_seconds()
+    for attempt in range(1, policy.attempts + 1):
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except TRANSIENT as e:
+            elapsed = time.monotonic() - start
+            if attempt == policy.attempts or elapsed + delay > policy.deadline.total_seconds():
+                raise StorageError(
+                    f"{what}: still failing after {attempt} attempts over {elapsed:.1f}s ({type(e).__name__}: {e}); "
+                    "check the storage URL, credentials and network", what) from e
+            if on_retry is not None:
+                on_retry(attempt, e)
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, policy.maximum.total_seconds())
+    raise AssertionError("unreachable")
+
+
+def open_url(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, root path) of an fsspec URL; a bare path means ``file://``."""
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return fs, root.rstrip("/")
+
+
+def is_remote(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether the link is slow enough that compressing 16-bit floats pays."""
+    protos = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return not any(p in ("file", "local", "memory") for p in protos)
+
+
+def _write_local(path: str, pieces: Iterable[Any]) -> None:
+    """Temp file, fsync, rename, fsync the directory: the object is whole or absent, even after a power cut."""
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            for p in pieces:
+                f.write(p)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_object(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[Any],
+                 size: int | Callable[[], int]) -> None:
+    """Write the concatenation of ``pieces`` (bytes-like) to ``path`` atomically, then check
+    its size (``size`` may be a callable, for pieces produced while writing)."""
+    if isinstance(fs, LocalFileSystem):
+        _write_local(fs._strip_protocol(path), pieces)
+    else:
+        with fs.open(path, "wb") as f:
+            for p in pieces:
+                f.write(p)
+    fs.invalidate_cache(path)
+    got = fs.size(path)
+    size = size() if callable(size) else size
+    if got != size:
+        raise OSError(f"{path}: wrote {size} bytes but storage holds {got} (torn write)")
+
+
+def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of ``path``; :class:`SnapshotIncomplete` if missing or short."""
+    try:
+        data = fs.cat_file(path, start=start, end=end)
+    except FileNotFoundError:
+        raise SnapshotIncomplete(f"{path}: object is missing; the version is incomplete", path) from None
+    if len(data) != end - start:
+        raise SnapshotCorrupt(
+            f"{path}: object is truncated (wanted bytes {start}-{end}, got {len(data)} bytes); "
+            "the version is damaged, restore falls back to an older one", path)
+    return data

@@ -1,0 +1,174 @@
+"""EtcdClient against a real etcd: KV, compare-and-swap, leases, unreachable endpoints."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from resilient.etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdLeaseExpired,
+    EtcdUnavailable,
+    free_port,
+    parse_endpoints,
+)
+from resilient.etcd.testing import embedded_etcd, unique_run_id
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with embedded_etcd() as server:
+        yield server
+
+
+@pytest.fixture
+def client(etcd):
+    with etcd.client(retry_timeout=timedelta(seconds=10)) as c:
+        yield c
+
+
+@pytest.fixture
+def ns():
+    return "/" + unique_run_id("kv") + "/"
+
+
+def _wait_until(pred, bound: timedelta, poll: float = 0.05) -> bool:
+    end = time.monotonic() + bound.total_seconds()
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(poll)
+    return pred()
+
+
+def test_parse_endpoints():
+    assert parse_endpoints("a:1, b ,https://c:3,[::1]:4") == [
+        ("", "a", 1), ("", "b", 2379), ("https", "c", 3), ("", "::1", 4)]
+    with pytest.raises(EtcdError, match="HOST:PORT"):
+        parse_endpoints(" , ")
+    with pytest.raises(EtcdError, match="scheme"):
+        parse_endpoints("ftp://x:1")
+
+
+def test_kv_and_prefix(client, ns):
+    rev = client.put(ns + "a", b"\x00\xffbin")
+    kv = client.get(ns + "a")
+    assert kv.value == b"\x00\xffbin" and kv.mod_revision == rev and kv.version == 1
+    client.put(ns + "b", "2")
+    assert [k.key for k in client.get_prefix(ns)] == [(ns + "a").encode(), (ns + "b").encode()]
+    assert client.count_prefix(ns) == 2
+    assert [kv and kv.value for kv in client.get_many([ns + "b", ns + "zz"])] == [b"2", None]
+    assert client.delete(ns + "a") and not client.delete(ns + "a")
+    assert client.get(ns + "a") is None
+    assert client.delete_prefix(ns) == 1 and client.get_prefix(ns) == []
+
+
+def test_compare_and_swap_on_mod_revision(client, ns):
+    k = ns + "cas"
+    first = client.compare_and_swap(k, "v1", mod_revision=None)
+    assert first.succeeded and first.kv.value == b"v1"
+    # Create-only fails once the key exists, and hands back the winner.
+    again = client.compare_and_swap(k, "other", mod_revision=None)
+    assert not again.succeeded and again.kv == first.kv
+    second = client.compare_and_swap(k, "v2", mod_revision=first.kv.mod_revision)
+    assert second.succeeded and second.kv.value == b"v2"
+    assert second.kv.mod_revision > first.kv.mod_revision
+    # A stale revision loses and sees the current value, read in the same txn.
+    stale = client.compare_and_swap(k, "v3", mod_revision=first.kv.mod_revision)
+    assert not stale.succeeded and stale.kv == second.kv
+    assert client.get(k).value == b"v2"
+    # Absent key with a revision: fails, nothing to hand back.
+    gone = client.compare_and_swap(ns + "absent", "x", mod_revision=12345)
+    assert not gone.succeeded and gone.kv is None and client.get(ns + "absent") is None
+    # Compare on value.
+    assert not client.compare_value_and_swap(k, "nope", "v4").succeeded
+    assert client.compare_value_and_swap(k, "v2", "v4").kv.value == b"v4"
+
+
+def test_cas_counter_under_contention(etcd, ns):
+    """6 threads x 8 CAS increments: no lost update."""
+    k = ns + "counter"
+
+    def worker():
+        with etcd.client() as c:
+            for _ in range(8):
+                kv = c.get(k)
+                while True:
+                    n = int(kv.value) + 1 if kv else 1
+                    res = c.compare_and_swap(k, str(n), mod_revision=kv.mod_revision if kv else None)
+                    if res.succeeded:
+                        break
+                    kv = res.kv
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with etcd.client() as c:
+        assert int(c.get(k).value) == 48
+
+
+def test_lease_expiry_removes_keys_and_keep_alive_holds_them(client, ns):
+    ttl = timedelta(seconds=1)
+    bare = client.lease(ttl, keep_alive=False)
+    kept = client.lease(ttl)  # refreshed by its thread every ttl/3
+    granted = time.monotonic()
+    client.put(ns + "bare", "x", lease=bare)
+    client.put(ns + "kept", "y", lease=kept.id)
+    assert client.get(ns + "bare").lease == bare.id
+    assert _wait_until(lambda: client.get(ns + "bare") is None, timedelta(seconds=15))
+    with pytest.raises(EtcdLeaseExpired):
+        bare.refresh()
+    assert bare.expired
+    with pytest.raises(EtcdLeaseExpired, match="grant a new one"):
+        client.put(ns + "late", "z", lease=bare)
+    # Make sure the kept lease has outlived its TTL at least twice over.
+    time.sleep(max(0.0, 2 * ttl.total_seconds() - (time.monotonic() - granted)))
+    assert client.get(ns + "kept").value == b"y" and not kept.expired
+    kept.revoke()
+    assert client.get(ns + "kept") is None
+
+
+def test_lease_expiry_callback(client, ns):
+    fired = threading.Event()
+    lease = client.lease(timedelta(seconds=1), on_expired=lambda _l: fired.set())
+    # Revoke behind the keep-alive thread's back: it must notice and report.
+    client._post("/kv/lease/revoke", {"ID": lease.id}, "test revoke")
+    assert fired.wait(10)
+    assert lease.expired
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_endpoint_fails_fast_with_typed_error():
+    port = free_port()  # nothing listens here
+    with EtcdClient(f"127.0.0.1:{port}", retry_timeout=timedelta(seconds=1)) as c:
+        with pytest.raises(EtcdUnavailable) as info:
+            c.check(timedelta(milliseconds=500))
+        msg = str(info.value)
+        assert f"127.0.0.1:{port}" in msg and "etcdctl" in msg and "endpoint health" in msg
+        assert isinstance(info.value, ConnectionError)
+        with pytest.raises(EtcdUnavailable):
+            c.get("k")  # ordinary calls are bounded by retry_timeout
+
+
+def test_failover_to_second_endpoint(etcd, ns):
+    dead = f"127.0.0.1:{free_port()}"
+    with EtcdClient([dead, etcd.endpoint], retry_timeout=timedelta(seconds=10)) as c:
+        c.put(ns + "f", "ok")
+        assert c.get(ns + "f").value == b"ok"
+
+
+def test_config_errors_are_typed():
+    with pytest.raises(EtcdError, match="certificate and its key"):
+        EtcdClient("127.0.0.1:1", cert="/x.pem")
+    with pytest.raises(EtcdError, match="username and a password"):
+        EtcdClient("127.0.0.1:1", username="u")
+    with pytest.raises(EtcdError, match="one of them"):
+        EtcdClient("127.0.0.1:1", cert="/c.pem", key="/k.pem", username="u", password="p")

@@ -1,0 +1,118 @@
+"""EmbeddedEtcd lifecycle, and clients riding through etcd stops, crashes and restarts."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from resilient.etcd import (
+    EmbeddedEtcd,
+    EtcdAuthError,
+    EtcdClient,
+    EtcdNotFound,
+    EtcdUnavailable,
+    find_etcd,
+)
+from resilient.etcd.testing import embedded_etcd, enable_auth, make_tls_files
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with embedded_etcd() as server:
+        yield server
+
+
+def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no etcd on PATH
+    with pytest.raises(EtcdNotFound) as info:
+        EmbeddedEtcd()
+    assert "apt-get install etcd-server" in str(info.value)
+    assert "github.com/etcd-io/etcd/releases" in str(info.value)
+    with pytest.raises(EtcdNotFound):
+        find_etcd(tmp_path / "etcd")
+
+
+def test_start_and_close_clean_up():
+    with embedded_etcd() as server:
+        pid, root = server.pid, server.data_dir.parent
+        assert server.running() and server.data_dir.is_dir()
+        host, port = server.endpoint.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        with server.client() as c:
+            c.put("k", "v")
+    assert not server.running() and not root.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_restart_mid_request_rides_through(etcd):
+    """A request issued while etcd is down completes once etcd is back."""
+    with etcd.client(retry_timeout=timedelta(seconds=30)) as c:
+        c.put("/restart/before", "1")
+        kept = c.lease(timedelta(seconds=2))
+        c.put("/restart/leased", "1", lease=kept)
+        port = etcd.client_port
+        etcd.stop()
+        restarter = threading.Timer(0.5, etcd.start)
+        restarter.start()
+        try:
+            c.put("/restart/during", "2")  # retried with backoff until etcd is back
+        finally:
+            restarter.join()
+        assert etcd.client_port == port
+        assert c.get("/restart/before").value == b"1"
+        assert c.get("/restart/during").value == b"2"
+        # The lease survived the restart and is still being kept alive.
+        time.sleep(kept.ttl.total_seconds() * 1.5)
+        assert c.get("/restart/leased") is not None and not kept.expired
+        kept.revoke()
+
+
+def test_kill9_is_bounded_then_recovers(etcd):
+    with etcd.client(retry_timeout=timedelta(milliseconds=300)) as c:
+        c.put("/kill/k", "v")
+        etcd.kill()
+        assert not etcd.running()
+        with pytest.raises(EtcdUnavailable, match=etcd.endpoint):
+            c.get("/kill/k")
+        etcd.start()
+        assert c.get("/kill/k").value == b"v"  # data dir kept across the crash
+
+
+def test_username_password():
+    with embedded_etcd() as server, server.client() as admin:
+        enable_auth(admin, "rootpw")
+        with EtcdClient(server.endpoint, username="root", password="rootpw") as c:
+            c.put("/auth/k", "v")
+            assert c.get("/auth/k").value == b"v"
+            # A lost/expired token is replaced transparently.
+            c._session.headers["Authorization"] = "stale-token"
+            assert c.get("/auth/k").value == b"v"
+        with EtcdClient(server.endpoint, username="root", password="wrong") as c:
+            with pytest.raises(EtcdAuthError, match="root"):
+                c.get("/auth/k")
+        with EtcdClient(server.endpoint) as anon:
+            with pytest.raises(EtcdAuthError):
+                anon.get("/auth/k")
+
+
+def test_tls_with_client_certificates(tmp_path):
+    ca, cert, key = make_tls_files(tmp_path)
+    with embedded_etcd(cert_file=cert, key_file=key, client_ca_file=ca) as server:
+        assert server.client_url.startswith("https://")
+        with EtcdClient(server.endpoint, ca_cert=ca, cert=cert, key=key) as c:  # https inferred
+            c.put("/tls/k", "v")
+            assert c.get("/tls/k").value == b"v"
+        # No client certificate, or not trusting etcd's CA: a typed error at once, no retrying.
+        with EtcdClient(server.endpoint, ca_cert=ca, retry_timeout=timedelta(seconds=30)) as c:
+            with pytest.raises(EtcdAuthError, match="TLS"):
+                c.get("/tls/k")
+        with EtcdClient(server.endpoint, cert=cert, key=key, retry_timeout=timedelta(seconds=30)) as c:
+            with pytest.raises(EtcdAuthError, match="ca_cert"):
+                c.get("/tls/k")

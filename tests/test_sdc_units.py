@@ -1,0 +1,238 @@
+"""Single-process tests of the SDC building blocks: bit flips, checksums, the
+derived rounding bound of the linear check, robust spikes, replay verdicts."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resilient.sdc.api import SdcConfig, SdcError, Verdict
+from resilient.sdc.checksums import BITS, RobustSpike, bitsum, compare_replicas, stats, unit_roundoff
+from resilient.sdc.inject import BitFlipInjector, FlipSpec, flip_bit
+from resilient.sdc.reduction import linear_bound
+from resilient.sdc.replay import Match, ReplayStateMachine, State, classify, compare, fingerprint, replay_step
+
+
+def _f32_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+@pytest.mark.parametrize("bit", [0, 1, 12, 22, 23, 27, 30, 31])
+def test_flip_bit_fp32_is_exact(bit):
+    t = torch.tensor([1.5, -0.375, 3.0e-3], dtype=torch.float32)
+    old, new = flip_bit(t, 1, bit)
+    assert old == -0.375
+    assert _f32_bits(new) == _f32_bits(-0.375) ^ (1 << bit)
+    assert t[0] == 1.5 and t[2] == torch.tensor(3.0e-3)          # neighbours untouched
+    flip_bit(t, 1, bit)
+    assert t[1] == -0.375                                          # a flip is its own inverse
+
+
+def test_flip_bit_bf16_sign_exponent_mantissa():
+    t = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    assert flip_bit(t, 0, 15) == (1.0, -1.0)                       # sign
+    assert flip_bit(t, 1, 7)[1] == 4.0                             # lowest exponent bit: 2 -> 4
+    assert flip_bit(t, 1, 6)[1] == 6.0                             # top mantissa bit: 4 -> 6
+    with pytest.raises(SdcError):
+        flip_bit(t, 0, 16)
+    with pytest.raises(SdcError):
+        flip_bit(t, 5, 0)
+
+
+def test_flip_bit_on_dtensor_local_shard():
+    # a DTensor on a 1-rank mesh in-process: flip_bit must hit the local shard in place
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from resilient.sdc.harness import free_port
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        d = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+        old, new = flip_bit(d, 5, 31)
+        assert (old, new) == (1.0, -1.0)
+        assert d.to_local().reshape(-1)[5] == -1.0 and d.full_tensor().sum() == 10.0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_injector_transient_fires_once_persistent_every_step():
+    m = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        m.weight.fill_(1.0)
+    once = BitFlipInjector(FlipSpec("param", "weight", bit=31, rank=0, step=2), rank=0)
+    assert once.maybe_inject(1, m) is None
+    assert once.maybe_inject(2, m)["new"] == -1.0
+    assert once.maybe_inject(2, m) is None                          # not again on replay
+    always = BitFlipInjector(FlipSpec("param", "weight", bit=31, rank=0, step=2, persistent=True), rank=0)
+    assert always.maybe_inject(2, m) and always.maybe_inject(2, m) and always.maybe_inject(3, m)
+    other = BitFlipInjector(FlipSpec("param", "weight", bit=31, rank=1, step=0), rank=0)
+    assert other.maybe_inject(0, m) is None                         # another rank's fault
+    with pytest.raises(SdcError):
+        FlipSpec.from_dict({"target": "weights", "tensor": "w", "bit": 1})
+
+
+def test_injector_optimizer_state_and_activation():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    inj = BitFlipInjector(FlipSpec("optim_state", "0.weight", bit=30, step=1, element=3), rank=0)
+    before = opt.state[m[0].weight]["exp_avg"].reshape(-1)[3].item()
+    rec = inj.maybe_inject(1, m, opt)
+    assert rec["old"] == before and opt.state[m[0].weight]["exp_avg"].reshape(-1)[3].item() == rec["new"] != before
+    act = BitFlipInjector(FlipSpec("activation", "0", bit=31, step=4, element=0), rank=0)
+    act.attach(m)
+    x = torch.randn(2, 3)
+    act.current_step = 3
+    clean = m(x)
+    act.current_step = 4
+    assert not torch.equal(m(x), clean) and act.fired == 1
+    assert torch.equal(m(x), clean)                                 # transient: once
+    act.detach()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), bit=st.integers(0, 31), seed=st.integers(0, 10 ** 6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_every_single_bit_flip_changes_the_bitsum(n, bit, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g) * 10 ** torch.randint(-6, 6, (1,), generator=g).item()).to(dtype)
+    bit = bit % (x.element_size() * 8)
+    y = x.clone()
+    flip_bit(y, int(torch.randint(0, n, (1,), generator=g)), bit)
+    assert bitsum(x) != bitsum(y)
+    sx, sy = stats([x]), stats([y])
+    assert sx[0, BITS].view(torch.int64) != sy[0, BITS].view(torch.int64)
+
+
+def _simulated_reduce_scatter(xs: list[torch.Tensor], red: torch.dtype, orig: torch.dtype, average: bool,
+                              g: torch.Generator) -> torch.Tensor:
+    """Reduce the ranks' inputs elementwise in ``red`` arithmetic, in a random rank
+    order per call (any ring/tree order), then divide and cast like FSDP does."""
+    order = torch.randperm(len(xs), generator=g).tolist()
+    acc = xs[order[0]].to(red).clone()
+    for k in order[1:]:
+        acc = acc + xs[k].to(red)          # one rounding in the reduce dtype per addition
+    if average:
+        acc = acc / len(xs)
+    return acc.to(orig)
+
+
+@settings(max_examples=80, deadline=None)
+@given(world=st.integers(2, 8), m=st.integers(1, 4000), seed=st.integers(0, 10 ** 6),
+       dtypes=st.sampled_from([(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]),
+       average=st.booleans(), heavy=st.booleans(), calls=st.integers(1, 3))
+def test_linear_bound_holds_on_clean_reductions(world, m, seed, dtypes, average, heavy, calls):
+    """The derived bound (safety 1) is never exceeded by honest arithmetic: no false positives."""
+    red, orig = dtypes
+    g = torch.Generator().manual_seed(seed)
+    out = torch.zeros(m, dtype=orig)
+    sum_in = l1_in = 0.0
+    for _ in range(calls):               # gradient accumulation into .grad
+        xs = []
+        for _k in range(world):
+            x = torch.randn(m, generator=g)
+            if heavy:                    # gradients are heavy-tailed; mix scales over 8 decades
+                x = x * torch.exp(torch.randn(m, generator=g) * 4)
+            xs.append(x.to(red))
+        sum_in += sum(float(x.double().sum()) for x in xs)
+        l1_in += sum(float(x.double().abs().sum()) for x in xs)
+        out = (out.to(torch.float32) + _simulated_reduce_scatter(xs, red, orig, average, g).to(torch.float32)).to(orig) \
+            if calls > 1 else _simulated_reduce_scatter(xs, red, orig, average, g)
+    scale = 1 / world if average else 1.0
+    ops = (world - 1) + (1 if average else 0) + (calls - 1) + (1 if red != orig else 0)
+    u = max(unit_roundoff(red), unit_roundoff(orig))
+    err = abs(float(out.double().sum()) - scale * sum_in)
+    assert err <= linear_bound(ops, u, scale, l1_in, m * world * calls, safety=1.0), (err, ops)
+
+
+@pytest.mark.parametrize("bit", [31, 30, 23, 22])
+def test_linear_check_catches_high_flips_of_a_median_element(bit):
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(20000, generator=g) for _ in range(4)]
+    out = _simulated_reduce_scatter(xs, torch.float32, torch.float32, True, g)
+    i = int(out.abs().argsort()[out.numel() // 2])
+    flip_bit(out, i, bit)
+    l1 = sum(float(x.double().abs().sum()) for x in xs)
+    err = abs(float(out.double().sum()) - sum(float(x.double().sum()) for x in xs) / 4)
+    assert err > linear_bound(4, unit_roundoff(torch.float32), 0.25, l1, 80000, safety=2.0)
+
+
+def test_compare_replicas_without_process_group_is_quiet():
+    assert compare_replicas([("w", torch.ones(3))], None, step=0) == []
+
+
+def test_robust_spike_flags_outliers_and_ignores_noise():
+    det = RobustSpike(k=12, window=50, warmup=10)
+    g = torch.Generator().manual_seed(0)
+    noise = (2.0 + 0.05 * torch.randn(200, generator=g)).tolist()
+    assert not any(det.check(v)[0] for v in noise)
+    assert det.check(2.0 + 50 * 0.05)[0]                            # a 50-sigma jump
+    assert det.check(math.nan) == (False, math.nan) or math.isnan(det.check(math.nan)[1])
+    assert not det.check(2.01)[0]                                   # the spike did not raise the bar
+
+
+def test_classify_table():
+    assert classify(Match.SAME, still_suspect=True) is Verdict.PERSISTENT
+    assert classify(Match.DIFFERENT, still_suspect=True) is Verdict.PERSISTENT
+    assert classify(Match.SAME, still_suspect=False) is Verdict.FALSE_ALARM
+    assert classify(Match.DIFFERENT, still_suspect=False) is Verdict.TRANSIENT
+    assert classify(Match.ROUNDING, still_suspect=False) is Verdict.HARMLESS
+
+
+def test_state_machine_escalates_repeated_transients():
+    sm = ReplayStateMachine(max_transients=2)
+    for i, want in enumerate([Verdict.TRANSIENT, Verdict.PERSISTENT]):
+        sm.suspect(i, [], {})
+        sm.begin()
+        assert sm.state is State.REPLAYING
+        assert sm.conclude({3: (Match.DIFFERENT, False)}, {3: "h:cuda:3"}) == {3: want}
+        assert sm.state is State.IDLE
+    with pytest.raises(SdcError):
+        sm.conclude({}, {})
+
+
+def _step_grads(model, x, injector, step):
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    if injector is not None:
+        injector.maybe_inject(step, model)
+    return fingerprint((n, p.grad) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("persistent,bit,want", [(False, 30, Verdict.TRANSIENT), (True, 30, Verdict.PERSISTENT),
+                                                 (False, 0, Verdict.HARMLESS)])
+def test_replay_step_classifies_with_a_real_recompute(persistent, bit, want):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x = torch.randn(32, 8)
+    reference = _step_grads(model, x, None, 0)           # a healthy replica's answer
+    inj = BitFlipInjector(FlipSpec("grad", "0.weight", bit=bit, step=5, element=7, persistent=persistent), rank=0)
+    original = _step_grads(model, x, inj, 5)
+    assert compare(original, reference)[0] is not Match.SAME
+
+    def check(fp):  # the exact check: agree bitwise with the healthy replica
+        return compare(fp, reference)[0] is Match.SAME
+
+    verdict, replayed, _ = replay_step(original, lambda: _step_grads(model, x, inj, 5), check)
+    assert verdict is want
+
+
+def test_sdc_config_loads_from_a_toml_table():
+    from resilient.configbase import explain, load_section
+    cfg = load_section(SdcConfig, {"check_every": 2, "probe_dtypes": ["float32"]}, "sdc", "x.toml")
+    assert cfg.check_every == 2 and list(cfg.probe_dtypes) == ["float32"]
+    assert any(line.startswith("sdc.loss_spike_k") for line in explain(SdcConfig, "sdc."))
