@@ -235,11 +235,13 @@ class FaultDriver:
 
 def evaluate(sc: Scenario, run_dir: str | Path, records: list[InjectionRecord], *, reference: Any = None, actual: Any = None,
              diff: Callable[[Any, Any], float] | None = None, leaks: dict | None = None,
-             expected_commits: dict | None = None, extra: dict | None = None) -> list[PropertyResult]:
+             expected_commits: dict | None = None, extra: dict | None = None,
+             more: Iterable[PropertyResult] = ()) -> list[PropertyResult]:
     """Compute the scenario's properties on the finished run and write
     ``results.json``. ``reference``/``actual`` are final-state digests (or
     whatever ``diff`` compares); ``leaks`` are :func:`no_leaks` keyword
-    arguments (shm_prefix, ports, mounts, labs)."""
+    arguments (shm_prefix, shm_paths, ports, mounts, labs); ``more`` are
+    verdicts the runner computed itself (faults fired, budget kept)."""
     pr = sc.properties
     tl = load_timeline(run_dir)
     eps = episodes(tl)
@@ -258,6 +260,7 @@ def evaluate(sc: Scenario, run_dir: str | Path, records: list[InjectionRecord], 
         out.append(final_state_equal(reference, actual, diff=diff if pr.final_state == "tolerance" else None, tolerance=pr.tolerance))
     if pr.no_leaks:
         out.append(no_leaks(run_dir, **(leaks or {})))
+    out.extend(more)
     write_results(run_dir, scenario=as_dict(sc), properties=out, injections=records, extra=extra)
     return out
 

@@ -61,7 +61,10 @@ class ControlWatcher:
             self._seen.add(rid)
             try:
                 self.applied[rid] = self.handlers[req["kind"]](req)
-                self.log.emit("fault_injected", request=rid, fault=req["kind"], status="injected", params=req.get("params", {}))
+                # A handler whose effect comes later (a bit flip at the next
+                # step) sets req["deferred_ack"] and acknowledges it itself.
+                if not req.get("deferred_ack"):
+                    self.log.emit("fault_injected", request=rid, fault=req["kind"], status="injected", params=req.get("params", {}))
             except Exception as e:
                 self.log.emit("fault_injected", request=rid, fault=req["kind"], status="failed", detail=f"{type(e).__name__}: {e}")
             changed += 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -215,6 +216,9 @@ class KillProcess(Injector):
     def _inject(self) -> str:
         procs = _procs_of(self.source, self.tree)
         self.pids = [p.pid for p in procs]
+        # Resolved while the node still runs: what it maps can be read from
+        # /proc only while its processes exist.
+        paths = list(self.shm_paths() if callable(self.shm_paths) else self.shm_paths)
         if self.tree:
             _signal_all(procs, signal.SIGSTOP)
         _signal_all(procs, signal.SIGKILL)
@@ -222,10 +226,12 @@ class KillProcess(Injector):
         if left:
             raise InjectionFailed(f"SIGKILL sent but pids {[p.pid for p in left]} still alive after {self.settle}")
         removed = []
-        paths = self.shm_paths() if callable(self.shm_paths) else self.shm_paths
         for path in paths:
             try:
-                os.unlink(path)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)  # a node store is a tmpfs tree
+                else:
+                    os.unlink(path)
                 removed.append(path)
             except FileNotFoundError:
                 pass

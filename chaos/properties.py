@@ -204,14 +204,19 @@ def training_completed(timeline: list[dict], steps: int) -> PropertyResult:
     return PropertyResult("training_completed", ok, f"reached step {reached} of {steps}")
 
 
-def no_leaks(run_dir: str | os.PathLike, *, shm_prefix: str | None = None, ports: Iterable[int] = (), mounts: Iterable[str | os.PathLike] = (),
-             labs: Iterable[Any] = (), exclude_pids: Iterable[int] = (), shm_dir: str = "/dev/shm") -> PropertyResult:
-    """Leftovers of a finished run; ``labs`` are :class:`~.netns.NetLab`s."""
+def no_leaks(run_dir: str | os.PathLike, *, shm_prefix: str | None = None, shm_paths: Iterable[str] = (), ports: Iterable[int] = (), mounts: Iterable[str | os.PathLike] = (),
+             labs: Iterable[Any] = (), exclude_pids: Iterable[int] = (), shm_dir: str = "/dev/shm",
+             found: Iterable[str] = ()) -> PropertyResult:
+    """Leftovers of a finished run; ``labs`` are :class:`~.netns.NetLab`s;
+    ``shm_paths`` are /dev/shm entries the run's processes were seen using
+    (the runner samples them: a prefix alone cannot tell the job's segments
+    from another job's on a shared machine); ``found`` are leftovers the
+    runner saw (and removed) itself, e.g. workers that outlived their agent."""
     needle = str(Path(run_dir).resolve())
     # The runner and its ancestors (a shell, CI) name the run dir in their
     # command lines too; they are not leaks.
     skip = {os.getpid(), *exclude_pids, *(p.pid for p in psutil.Process().parents())}
-    left = []
+    left = list(found)
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
@@ -224,6 +229,7 @@ def no_leaks(run_dir: str | os.PathLike, *, shm_prefix: str | None = None, ports
             left += [f"{shm_dir}/{n}" for n in os.listdir(shm_dir) if n.startswith(shm_prefix)]
         except FileNotFoundError:
             pass
+    left += [f"{p} (shm)" for p in sorted(set(shm_paths)) if os.path.exists(p)]
     ports = set(ports)
     if ports:
         for c in psutil.net_connections(kind="inet"):

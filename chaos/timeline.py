@@ -82,7 +82,7 @@ def of_kind(timeline: list[dict], *kinds: str) -> list[dict]:
 
 
 def tier_of(e: dict) -> str:
-    """A commit's tier. docs/events.md requires ``tier``; a commit without it
+    """A commit's (or restore's) tier. docs/events.md requires ``tier``; one without it
     that names a ``url`` is a durable one (tolerated, and worth fixing at the
     writer), anything else is 'unknown' and binds no restore."""
     return str(e.get("tier") or ("durable" if "url" in e else "unknown"))
@@ -155,14 +155,16 @@ def episodes(timeline: list[dict]) -> list[Episode]:
     after that restore. Overlapping faults share what follows them.
     """
     fs = faults(timeline)
-    real = [f["time"] for f in fs if f.get("status") not in NOT_INJECTED]
+    real = [float(f.get("injected_at") or f["time"]) for f in fs if f.get("status") not in NOT_INJECTED]
     out = []
     for i, f in enumerate(fs):
-        t0 = f["time"]
+        # When the injector acted, not when it logged (a kill logs after
+        # the processes are confirmed gone).
+        t0 = float(f.get("injected_at") or f["time"])
         nxt = min((t for t in real if t > t0), default=float("inf"))
         steps_before = [e["step"] for e in timeline if e.get("event") == "step" and e["time"] <= t0 and "step" in e]
         injected = f.get("status") not in NOT_INJECTED
-        det = _first(timeline, t0, DETECTION_EVENTS) if injected else None
+        det = _first(timeline, t0, DETECTION_EVENTS, until=nxt) if injected else None
         res = _first(timeline, t0, ("restore", "rollback"), until=nxt) if injected else None
         rec = _first(timeline, res["time"], ("step",)) if res else None
         if res is not None and rec is not None and rec["time"] <= res["time"]:
@@ -178,7 +180,7 @@ def episodes(timeline: list[dict]) -> list[Episode]:
             recovered_at=rec["time"] if rec else None,
             step_before=max(steps_before) if steps_before else None,
             restore_step=res.get("step") if res else None,
-            tier=res.get("tier") if res else None,
+            tier=tier_of(res) if res else None,
             detail=str(f.get("detail", "")),
         ))
     return out

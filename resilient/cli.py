@@ -3,6 +3,8 @@
     resilient launch CONFIG [--run-dir DIR] [--set k=v ...]
     resilient data prepare SRC OUT
     resilient config [CONFIG] [--explain] [--set k=v ...]
+    resilient ckpt ls|inspect|verify|reshard|convert|import|diff|gc ...
+    resilient chaos run SCENARIO [--out DIR] | report DIR
 
 Each subcommand's code lives in its own module; this file only parses the
 first word and maps typed errors to a one-line message and exit code 2.
@@ -52,8 +54,29 @@ def _cmd_config(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_ckpt(argv: list[str]) -> int:
+    from resilient_tools.cli import main as ckpt_main
+
+    return ckpt_main(argv)
+
+
+def _cmd_chaos(argv: list[str]) -> int:
+    from resilient_chaos.runner import main as chaos_main
+
+    return chaos_main(argv)
+
+
+def _cmd_quarantine(argv: list[str]) -> int:
+    from resilient.agent.quarantine import main as quarantine_main
+
+    return quarantine_main(argv)
+
+
 COMMANDS = {
     "launch": (_cmd_launch, "run a training job"),
+    "ckpt": (_cmd_ckpt, "inspect, verify, reshard, convert, diff and gc checkpoints"),
+    "chaos": (_cmd_chaos, "run a fault-injection campaign, or report on one"),
+    "quarantine": (_cmd_quarantine, "list or clear nodes quarantined for silent data corruption"),
     "data": (_cmd_data, "prepare a token corpus"),
     "config": (_cmd_config, "show or explain a run config"),
 }

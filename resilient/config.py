@@ -8,6 +8,7 @@ A run config has one table per component::
     [data]      the token corpus
     [snapshot]  capture, durable tier, retention (resilient.snapshot)
     [launch]    processes per node, restarts
+    [sdc]       silent-data-corruption checks, replay, probes (resilient.sdc)
 
 Every knob is declared with its documentation next to it; ``resilient config
 --explain`` prints them all. Overrides from the command line use dotted keys:
@@ -28,6 +29,7 @@ from typing import Any
 
 from resilient.configbase import explain, knob, load_section, section_to_dict
 from resilient.errors import ConfigError
+from resilient.sdc.api import SdcConfig
 from resilient.snapshot.config import SnapshotConfig
 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
@@ -91,7 +93,8 @@ class ParallelConfig:
 class TrainConfig:
     """Optimizer, schedule, batch and precision."""
 
-    steps: int = knob(100, "optimizer steps to train for")
+    steps: int = knob(100, "optimizer steps to train for; the learning-rate schedule spans them")
+    stop_at: int = knob(0, "end this launch after this step (0 = train.steps) without changing the schedule: run a job in segments")
     global_batch: int = knob(16, "sequences per step across all data-parallel ranks; fixed, so dp changes micro-batching, not the samples a step sees")
     seq_len: int = knob(128, "tokens per sequence (≤ model.max_seq_len)")
     lr: float = knob(3e-3, "peak learning rate after warmup")
@@ -150,6 +153,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    sdc: SdcConfig = field(default_factory=SdcConfig)
     source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
 
     def to_dict(self) -> dict:

@@ -120,6 +120,17 @@ def _rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
+def store_settings(cfg: Config):
+    """The node store's settings, or None when the memory tiers are off."""
+    from resilient.agent.store import StoreSettings
+
+    snap = cfg.snapshot
+    if snap.every <= 0 or not snap.memory:
+        return None
+    return StoreSettings(base=snap.store_dir, replicas=snap.replicas, keep=snap.store_keep,
+                         rate_bytes_s=snap.replicate_mib_s * (1 << 20), host=snap.store_host)
+
+
 def _raise_on_signal(signum, frame):
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -168,6 +179,9 @@ def launch(args: argparse.Namespace) -> int:
             startup_timeout=timedelta(seconds=lc.startup_timeout),
             lease_ttl=timedelta(seconds=lc.node_lease_ttl),
             preemption_grace=timedelta(seconds=lc.preemption_grace),
+            run_id=run_id, etcd_endpoint=endpoint,
+            etcd_factory=lambda: client_from_params(params),
+            store=store_settings(cfg),
             worker_argv=["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir), "--node", node],
             worker_env=env,
         )

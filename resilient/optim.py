@@ -36,6 +36,19 @@ class Optimizers:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
 
+    def reset(self) -> None:
+        """Back to a fresh optimizer: no moments, step 0."""
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        v.zero_()
+
+    @property
+    def state(self) -> dict:
+        """parameter → its state, across all the optimizers (read-only view)."""
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
 
 def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on norms)."""

@@ -27,16 +27,28 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from resilient.agent.heartbeat import HeartbeatWriter
+from resilient.agent.quarantine import QUARANTINE_EXIT
 from resilient.config import Config
 from resilient.data import TokenCorpus, ensure_corpus
 from resilient.events import EventLog
-from resilient.model import flops_per_token
+from resilient.model import flops_per_token, init_parameters
 from resilient.optim import Optimizers, clip_grad_norm, lr_at
 from resilient.parallel import ParallelModel, build_layout, build_model
 from resilient.progress import ProgressLine, device_peak_tflops
+from resilient.sdc.api import Action
+from resilient.sdc.inject import BitFlipInjector, FlipSpec
+from resilient.sdc.monitor import SdcMonitor
 from resilient.train_state import TrainState
 
 DIST_TIMEOUT = timedelta(minutes=5)
+
+
+class RollbackNeeded(Exception):
+    """Raised inside a step when the SDC monitor decided to roll back."""
+
+    def __init__(self, decision):
+        super().__init__(decision.action.value)
+        self.decision = decision
 
 
 @dataclass
@@ -96,6 +108,10 @@ class Trainer:
         self.corpus = TokenCorpus(corpus_path or Path(cfg.data.path).expanduser(), cfg.train.seq_len,
                                   cfg.train.seed, cfg.data.val_fraction)
         self.corpus.check_vocab(cfg.model.vocab_size, cfg.source)
+        self.sdc = self._build_sdc()
+        self.flips = [BitFlipInjector(FlipSpec.from_dict(dict(d)), self.rank,
+                                      log=lambda rec: self.events.emit("fault_injected", **rec))
+                      for d in cfg.sdc.inject]
         self.heartbeat = HeartbeatWriter.from_env()
         self.state = TrainState(cfg, self.run_dir, self.model, self.optimizer, self.events)
         # Completed steps; the next step to run is self.step + 1 and its first
@@ -106,6 +122,19 @@ class Trainer:
         self.progress = ProgressLine(cfg.train.steps, every=cfg.train.log_every) if self.rank == 0 else None
         peak = cfg.train.peak_tflops or device_peak_tflops(self.device.type)
         self.peak_flops = peak * 1e12 * self.layout.world if peak else 0.0
+
+    def _build_sdc(self) -> SdcMonitor | None:
+        if not self.cfg.sdc.enable:
+            return None
+        monitor = SdcMonitor(self.cfg.sdc, events=self.events, device=self.device)
+        if self.layout.dp > 1:
+            monitor.watch_fsdp(self.model.parts)  # linear checks of FSDP2's reduce-scatters
+        if self.layout.tp > 1:
+            # Norm weights are replicated across tp: their gradients must agree bitwise.
+            norms = [(n, p) for n, p in self.model.named_parameters() if n.endswith("norm.weight")]
+            monitor.watch_replicas("tp-norms", lambda: [(n, p.grad) for n, p in norms],
+                                   self.layout.mesh["tp"].get_group())
+        return monitor
 
     # -- one step -----------------------------------------------------------
     def _batch(self, step: int):
@@ -127,17 +156,47 @@ class Trainer:
         t0 = time.perf_counter()
         step, cfg = self.step, self.cfg.train
         self.optimizer.set_lr(lr_at(step, cfg))
+        # Flips "at rest" strike between steps: after step `step` was recorded
+        # and saved, before the next one reads the parameters.
+        self._inject(step, "param", "optim_state")
         inputs, targets = self._batch(step)
         local_loss = self.model.forward_backward(inputs, targets)
+        if self.sdc is not None:
+            local_loss = self._check_gradients(step + 1, inputs, targets, local_loss)
         norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip, self.layout.dp * self.layout.tp)
         self.optimizer.step()
         self.optimizer.zero_grad()
+        if self.sdc is not None:
+            self._act_on(self.sdc.after_optimizer_step(step + 1, self.model.parts))
         loss = self._global_mean(local_loss)
         self.step += 1
         seconds = time.perf_counter() - t0
         tokens = cfg.global_batch * cfg.seq_len
         # Steps are counted as completed steps: event "step": 1 is the first.
         return StepResult(self.step, loss, float(norm), tokens / seconds, seconds)
+
+    def _inject(self, step: int, *targets: str) -> None:
+        for flip in self.flips:
+            if flip.spec.target in targets:
+                flip.maybe_inject(step, self.model, self.optimizer)
+
+    def _check_gradients(self, step: int, inputs, targets, local_loss):
+        """SDC checks after backward, before clipping (which would rescale
+        what the linear check compares). A suspect step is recomputed on the
+        same batch; the monitor compares the answers and decides."""
+        self._inject(step, "grad")
+        decision = self.sdc.after_backward(step, self.model.parts, local_loss)
+        while decision.action is Action.REPLAY:
+            self.optimizer.zero_grad()
+            local_loss = self.model.forward_backward(inputs, targets)
+            self._inject(step, "grad")  # a persistent fault strikes the replay too
+            decision = self.sdc.after_replay(step, self.model.parts, local_loss)
+        self._act_on(decision)
+        return local_loss
+
+    def _act_on(self, decision) -> None:
+        if decision.action in (Action.ROLLBACK, Action.QUARANTINE):
+            raise RollbackNeeded(decision)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -153,6 +212,28 @@ class Trainer:
     def _on_sigterm(self, signum, frame) -> None:
         # Preemption notice: finish the step in flight, save it, leave.
         self.stop_requested = True
+
+    def _rollback(self, decision) -> None:
+        """Corruption was confirmed during step self.step + 1: nothing of that
+        step was saved (the check runs before its optimizer step), so the
+        newest complete version is clean. Load it and train on from there."""
+        self.optimizer.zero_grad()
+        if decision.action is Action.QUARANTINE and self.rank in decision.quarantine:
+            # A bad device: leave with the exit code that tells the agent to
+            # quarantine this node; the others re-form without it and restore.
+            self.events.emit("quarantine", step=self.step + 1, suspect_rank=self.rank,
+                             device=decision.devices.get(self.rank, ""), reason="persistent fault")
+            raise SystemExit(QUARANTINE_EXIT)
+        self.state.wait_idle()
+        restored = self.state.restore()
+        self.step = restored.step if restored is not None else 0
+        if restored is None:  # nothing saved yet: start over from the seed
+            for part in self.model.parts:
+                init_parameters(part, self.cfg.train.seed)
+            self.optimizer.reset()
+        self.events.emit("rollback", to_step=self.step, reason=decision.action.value,
+                         suspects=sorted({s.rank for s in decision.suspicions}))
+        self.sdc.note_restored(self.step)
 
     def restore(self) -> None:
         t0 = time.perf_counter()
@@ -180,8 +261,13 @@ class Trainer:
                          config_digest=cfg.digest(), params=cfg.model.num_params(),
                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
         self.heartbeat.beat()
-        while self.step < cfg.train.steps and not self.stop_requested:
-            result = self.train_step()
+        last = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
+        while self.step < last and not self.stop_requested:
+            try:
+                result = self.train_step()
+            except RollbackNeeded as rb:
+                self._rollback(rb.decision)
+                continue
             self.heartbeat.beat()
             self._log_step(result)
             self.state.after_step(self.step)
@@ -192,7 +278,8 @@ class Trainer:
                     self.progress.message(f"eval at step {result.step}: val loss {val:.4f}")
         if self.progress:
             self.progress.close()
-        self.state.final(self.step)
+        with self.heartbeat.while_waiting():
+            self.state.final(self.step)
         if self.stop_requested:
             self.events.emit("run_end", step=self.step, preempted=True)
             return 0
@@ -200,7 +287,10 @@ class Trainer:
         return 0
 
     def close(self) -> None:
-        self.state.close()
+        with self.heartbeat.while_waiting():
+            self.state.close()
+            if self.sdc is not None:
+                self.sdc.close()
         self.events.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -10,6 +10,13 @@ on is derived from the config and the step.
 :class:`~resilient.snapshot.Snapshotter` of the durable tier and answers
 ``restore()`` at start, ``after_step()`` after each optimizer step, and
 ``final()`` at the end or on preemption.
+
+Under ``resilient launch`` (env ``RESILIENT_STORE`` set by the agent) a
+second Snapshotter writes every ``snapshot.every``-th step into the node's
+shared-memory store (``file:///dev/shm/...``, same format, no committer: the
+agent replicates and commits it, :mod:`resilient.snapshot.memcommit`), and
+restore tries local RAM, peer RAM, then durable
+(:mod:`resilient.snapshot.tiers`). Without the agent only the durable tier runs.
 """
 
 from __future__ import annotations
@@ -23,7 +30,24 @@ from resilient.config import Config
 from resilient.events import EventLog
 from resilient.optim import Optimizers
 from resilient.parallel import ParallelModel
-from resilient.snapshot import Restored, Snapshotter, rng_state, set_rng_state
+from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter, rng_state, set_rng_state
+from resilient.snapshot.restore import restore_candidates
+from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
+
+
+class _ErrorsOnly:
+    """Events of the every-step memory writer: only its errors (a snapshot and an upload
+    event per rank per step would drown the log; the agent's commit events say enough)."""
+
+    def __init__(self, events: EventLog):
+        self.events = events
+
+    def emit(self, kind: str, **fields) -> None:
+        # FileNotFoundError/FileExistsError: the agent retired an older version while a late
+        # write of it (the uploader writes the newest pending capture first) was landing; expected.
+        if kind == "upload_error" and not str(fields.get("error", "")).startswith(("FileNotFoundError",
+                                                                                  "FileExistsError")):
+            self.events.emit(kind, tier="local", **fields)
 
 
 def durable_url(cfg: Config, run_dir: Path) -> str:
@@ -55,10 +79,20 @@ class TrainState:
         snap = cfg.snapshot
         self.durable: Snapshotter | None = None
         self.last_saved = -1
+        self.durable_step = -1  # newest step captured for (or restored from) the durable tier
         if snap.durable_every or snap.durable_seconds or snap.resume:
             self.durable = Snapshotter.from_config(
                 snap, durable_url(cfg, run_dir), events=events, layout=model.layout.as_dict(),
                 config_digest=cfg.digest())
+        self.store = StoreInfo.from_env() if snap.every > 0 and snap.memory else None
+        self.memory: Snapshotter | None = None
+        if self.store is not None:
+            # tmpfs: nothing to compress, little to retry; a full store must not stall the writer.
+            self.memory = Snapshotter(
+                self.store.store.url, every=snap.every, events=_ErrorsOnly(events), layout=model.layout.as_dict(),
+                config_digest=cfg.digest(), compress="none", threads=2, chunk_bytes=snap.chunk_mib << 20,
+                part_bytes=snap.part_mib << 20, commit=False,
+                retry=RetryPolicy(deadline=timedelta(seconds=2), attempts=2))
 
     def state(self) -> dict:
         """Global names throughout: the stage modules' names do not overlap."""
@@ -77,7 +111,10 @@ class TrainState:
         if self.durable is None or not self.cfg.snapshot.resume:
             return None
         state = self.state()
-        restored = self.durable.restore(state)
+        if self.store is None:
+            restored = self.durable.restore(state)
+        else:
+            restored = self._restore_tiered(state)
         if restored is None:
             return None
         for part, opt in zip(self.model.parts, self.optimizer.optimizers):
@@ -89,23 +126,71 @@ class TrainState:
                                              "param_groups": groups})
         if restored.extra is not None:
             set_rng_state(restored.extra["rng"])
+        # The restored version exists already: saving it again at the end (a run restored at
+        # its last step) would only write a second attempt of the same state.
+        self.last_saved = restored.step
+        if not restored.url.startswith("memory://"):
+            self.durable_step = restored.step
+        return restored
+
+    def _restore_tiered(self, state: dict) -> Restored | None:
+        durable = SnapshotReader(self.durable.url, self.durable.storage_options, self.durable.retry)
+        candidates, readers = tiered_candidates(self.store, durable, self.events, self.store.secret())
+        try:
+            restored = restore_candidates(candidates, state, rank=self.durable.rank,
+                                          config_digest=self.cfg.digest(), events=self.events,
+                                          layout=self.model.layout.as_dict())
+        finally:
+            for r in readers:
+                r.close()
+        if restored is not None and self.durable.rank == 0:
+            try:
+                forget_after(self.store, restored.step)
+            except Exception:  # bookkeeping; the next commits go on regardless
+                pass
         return restored
 
     def after_step(self, step: int, force: bool = False) -> None:
-        """Called after optimizer step ``step`` (completed steps): capture if due."""
-        if self.durable is not None and step != self.last_saved and (force or self.durable.due(step)):
-            self.durable.save(step, self.state(), extra={"rng": rng_state()},
-                              global_extra={"step": step, "sample_index": step * self.cfg.train.global_batch},
-                              force=True)
-            self.last_saved = step
+        """Called after optimizer step ``step`` (completed steps): capture into each tier that is due."""
+        if step == self.last_saved:
+            return
+        durable = self.durable is not None and (force or self.durable.due(step))
+        memory = self.memory is not None and (force or self.memory.due(step))
+        if not (durable or memory):
+            return
+        state = self.state()
+        extra = {"rng": rng_state()}
+        position = {"step": step, "sample_index": step * self.cfg.train.global_batch}
+        if memory:
+            self.memory.save(step, state, extra=extra, global_extra=position, force=True)
+        if durable:
+            self.durable.save(step, state, extra=extra, global_extra=position, force=True)
+            self.durable_step = step
+        self.last_saved = step
 
     def final(self, step: int, timeout: timedelta = timedelta(minutes=10)) -> None:
         """Make sure ``step`` is durable before the process ends (end of run, preemption)."""
         if self.durable is None:
             return
-        self.after_step(step, force=True)
+        if self.last_saved != step:
+            self.after_step(step, force=True)  # every tier
+        elif self.durable_step != step:  # memory has it, durable not yet
+            self.durable_step = step
+            self.durable.save(step, self.state(), extra={"rng": rng_state()},
+                              global_extra={"step": step, "sample_index": step * self.cfg.train.global_batch},
+                              force=True)
+        if self.memory is not None:
+            self.memory.wait(timeout)
         self.durable.wait(timeout)
 
+    def wait_idle(self, timeout: timedelta = timedelta(minutes=10)) -> None:
+        """Let captured versions finish writing (before a rollback picks the newest)."""
+        for snap in (self.memory, self.durable):
+            if snap is not None:
+                snap.wait(timeout)
+
     def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()
         if self.durable is not None:
             self.durable.close()

@@ -20,7 +20,7 @@ from resilient_tools.cli import main
 CKPT_ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
-def train_and_snapshot(url: str, steps=(10, 20), chunk_bytes: int = 4096, part_bytes: int = 64 << 10) -> None:
+def train_and_snapshot(url: str, steps=(2, 4), chunk_bytes: int = 4096, part_bytes: int = 1 << 20) -> None:
     """A few real training steps of a tiny GPT, snapshotted at ``steps`` with the model config in extra."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -64,28 +64,28 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 def test_ls(ckpt, capsys, tmp_path):
     rc, out, _ = run(capsys, "ls", ckpt, "--json")
     rows = json.loads(out)
-    assert rc == 0 and [r["step"] for r in rows] == [10, 20]
+    assert rc == 0 and [r["step"] for r in rows] == [2, 4]
     assert all(r["complete"] and r["layout"]["dp"] == 1 and r["bytes"] > 0 and r["tensors"] > 0 for r in rows)
     rc, out, _ = run(capsys, "ls", f"file://{ckpt}")
     assert rc == 0 and "complete" in out and "pp=1" in out
 
 
 def test_inspect_json_and_tree(ckpt, capsys):
-    rc, out, _ = run(capsys, "inspect", f"{ckpt}@10", "--json")
+    rc, out, _ = run(capsys, "inspect", f"{ckpt}@2", "--json")
     d = json.loads(out)
-    assert rc == 0 and d["step"] == 10 and d["config_digest"] == "digest-tiny"
-    assert d["extra"]["sample"] == 20
+    assert rc == 0 and d["step"] == 2 and d["config_digest"] == "digest-tiny"
+    assert d["extra"]["sample"] == 4
     wq = d["tensors"]["model/layers.0.attention.wq.weight"]
     assert wq["shape"] == [64, 64] and wq["dtype"] == "float32" and wq["bytes"] == 64 * 64 * 4
     assert wq["chunks"] == 4  # 16 KiB cut into 4 KiB chunks
     assert "optim/state/layers.0.attention.wq.weight/exp_avg" in d["tensors"]
     rc, out, _ = run(capsys, "inspect", ckpt)  # newest by default
-    assert rc == 0 and "step 20" in out and "layers.3.feed_forward.w2.weight" in out and "optim/" in out
+    assert rc == 0 and "step 4" in out and "layers.3.feed_forward.w2.weight" in out and "optim/" in out
 
 
 def test_verify_sound_and_fast(ckpt, capsys):
     assert run(capsys, "verify", ckpt)[0] == 0
-    rc, out, _ = run(capsys, "verify", f"{ckpt}@10", "--fast", "--json")
+    rc, out, _ = run(capsys, "verify", f"{ckpt}@2", "--fast", "--json")
     assert rc == 0 and json.loads(out)["ok"]
 
 
@@ -97,9 +97,9 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def test_verify_flipped_byte_names_object(ckpt, capsys, tmp_path):
     bad = _copy(ckpt, tmp_path / "bad")
-    m = json.loads((bad / "step-000000000020" / "manifest.json").read_text())
+    m = json.loads((bad / "step-000000000004" / "manifest.json").read_text())
     chunk = m["tensors"]["model/layers.2.feed_forward.w1.weight"]["chunks"][1]
-    obj = bad / "step-000000000020" / chunk["object"]
+    obj = bad / "step-000000000004" / chunk["object"]
     data = bytearray(obj.read_bytes())
     data[chunk["offset"] + 5] ^= 0x10
     obj.write_bytes(bytes(data))
@@ -116,7 +116,7 @@ def test_verify_flipped_byte_names_object(ckpt, capsys, tmp_path):
 
 def test_verify_missing_and_truncated_objects(ckpt, capsys, tmp_path):
     bad = _copy(ckpt, tmp_path / "bad")
-    vdir = bad / "step-000000000020"
+    vdir = bad / "step-000000000004"
     objs = sorted(p for p in vdir.rglob("*.bin"))
     assert len(objs) >= 2
     objs[0].unlink()
@@ -132,28 +132,28 @@ def test_verify_missing_and_truncated_objects(ckpt, capsys, tmp_path):
 
 def test_gc_keeps_newest_and_removes_debris(ckpt, capsys, tmp_path):
     root = _copy(ckpt, tmp_path / "gc")
-    debris = root / "step-000000000015" / "abc"
+    debris = root / "step-000000000003" / "abc"
     debris.mkdir(parents=True)
     (debris / "r00000-p0000.bin").write_bytes(b"x" * 10)
     rc, out, _ = run(capsys, "gc", root, "--keep-last", "1", "--dry-run")
-    assert rc == 0 and "would remove: [10, 15]" in out and (root / "step-000000000010").exists()
-    rc, out, _ = run(capsys, "gc", root, "--keep-last", "1", "--keep-every", "20")
-    assert rc == 0 and "removed: [10, 15]" in out
-    assert sorted(p.name for p in root.iterdir()) == ["step-000000000020"]
+    assert rc == 0 and "would remove: [2, 3]" in out and (root / "step-000000000002").exists()
+    rc, out, _ = run(capsys, "gc", root, "--keep-last", "1", "--keep-every", "4")
+    assert rc == 0 and "removed: [2, 3]" in out
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000000004"]
     rc, out, _ = run(capsys, "gc", root, "--keep-last", "1")  # the only complete version is never deleted
-    assert rc == 0 and "removed: nothing" in out and (root / "step-000000000020" / "manifest.json").exists()
+    assert rc == 0 and "removed: nothing" in out and (root / "step-000000000004" / "manifest.json").exists()
 
 
 def test_errors_are_typed_and_say_what_to_do(ckpt, capsys, tmp_path):
     rc, _, err = run(capsys, "inspect", tmp_path / "nowhere")
     assert rc == 2 and "BadUrl" in err and "no such checkpoint directory" in err
     rc, _, err = run(capsys, "inspect", f"{ckpt}@15")
-    assert rc == 2 and "NoSnapshotFound" in err and "[10, 20]" in err
+    assert rc == 2 and "NoSnapshotFound" in err and "[2, 4]" in err
     (tmp_path / "empty").mkdir()
     rc, out, _ = run(capsys, "verify", tmp_path / "empty")
     assert rc == 1 and "no snapshot versions" in out
     root = _copy(ckpt, tmp_path / "m")
-    man = root / "step-000000000020" / "manifest.json"
+    man = root / "step-000000000004" / "manifest.json"
     text = man.read_text()
     man.write_text(text[: len(text) // 2])
     rc, _, err = run(capsys, "inspect", root)
@@ -172,7 +172,11 @@ def test_errors_are_typed_and_say_what_to_do(ckpt, capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_module_entry_point(ckpt):
-    p = subprocess.run([sys.executable, "-m", "resilient_tools.cli", "verify", str(ckpt), "--fast"],
+def test_module_entry_point():
+    """``python -m resilient_tools.cli`` works, and ``--help`` stays cheap (torch is imported lazily)."""
+    p = subprocess.run([sys.executable, "-m", "resilient_tools.cli", "convert", "--help"],
                        capture_output=True, text=True, env=CKPT_ENV, timeout=60)
-    assert p.returncode == 0 and "OK" in p.stdout
+    assert p.returncode == 0 and "NEEDS RAM FOR THE WHOLE SELECTION" in " ".join(p.stdout.split())
+    assert "torch" not in subprocess.run(
+        [sys.executable, "-c", "import sys, resilient_tools.cli; print(' '.join(sys.modules))"],
+        capture_output=True, text=True, env=CKPT_ENV, timeout=60).stdout.split()

@@ -25,6 +25,12 @@ def pool():
         yield p
 
 
+@pytest.fixture(scope="module")
+def clean4(pool):
+    """The fault-free 4-step run every healed run must match bitwise."""
+    return pool.run(train, 0, (16, 32, 8), 4)
+
+
 # ---------------------------------------------------------------- worker side
 class Net(torch.nn.Module):
     """2-layer MLP sharded by FSDP2, and ``scale``: replicated, synced DDP-style."""
@@ -156,12 +162,12 @@ def test_clean_run_raises_nothing_and_matches_unchecked(pool):
             assert torch.equal(t, plain[r]["params"][n]), n
 
 
-@pytest.mark.parametrize("bit", [31, 30, 23, 22])  # sign, top and lowest exponent, top mantissa
-@pytest.mark.parametrize("tensor", ["fc1.weight", "fc2.bias"])
-def test_grad_flip_detected_attributed_and_healed_by_replay(pool, bit, tensor):
+@pytest.mark.parametrize("tensor,bit", [("fc1.weight", 31), ("fc1.weight", 30), ("fc1.weight", 23), ("fc1.weight", 22),
+                                        ("fc2.bias", 31), ("fc2.bias", 22)])   # sign, exponent (top, lowest), top mantissa
+def test_grad_flip_detected_attributed_and_healed_by_replay(pool, clean4, bit, tensor):
     flip = {"target": "grad", "tensor": tensor, "bit": bit, "rank": 1, "step": 2, "element": None}
     res = pool.run(train, 0, (16, 32, 8), 4, (flip,))
-    clean = pool.run(train, 0, (16, 32, 8), 4)
+    clean = clean4
     for r in range(2):
         log = res[r]["log"]
         assert log[0]["step"] == 2 and log[0]["action"] == "replay", log
@@ -192,7 +198,7 @@ def test_persistent_grad_fault_is_quarantined(pool, tmp_path):
 @pytest.mark.parametrize("bit", [31, 30, 22])
 def test_param_flip_at_rest_detected_next_step(pool, bit):
     flip = {"target": "param", "tensor": "fc2.weight", "bit": bit, "rank": 0, "step": 1, "element": None}
-    res = pool.run(train, 0, (16, 32, 8), 4, (flip,))
+    res = pool.run(train, 0, (16, 32, 8), 3, (flip,))
     for r in range(2):
         log = res[r]["log"]
         assert log[0]["step"] == 2 and log[0]["action"] == "rollback", log   # within one step
@@ -224,7 +230,7 @@ def test_lowest_mantissa_flip_is_harmless(pool, target, tensor):
         assert res[r]["stopped"] is None
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2 ** 16), d_in=st.integers(3, 40), hidden=st.integers(1, 70), d_out=st.integers(1, 9),
        mp=st.sampled_from([None, ("bfloat16", "float32"), ("bfloat16", "bfloat16")]))
 def test_no_false_positives_over_seeds_and_shapes(pool, seed, d_in, hidden, d_out, mp):
@@ -233,10 +239,10 @@ def test_no_false_positives_over_seeds_and_shapes(pool, seed, d_in, hidden, d_ou
         assert res[r]["log"] == [] and res[r]["stopped"] is None, res[r]["log"]
 
 
-def test_activation_flip_to_infinity_is_nonfinite_and_transient(pool):
+def test_activation_flip_to_infinity_is_nonfinite_and_transient(pool, clean4):
     flip = {"target": "activation", "tensor": "fc1", "bit": 30, "rank": 1, "step": 2, "element": 3}
     res = pool.run(train, 0, (16, 32, 8), 4, (flip,))
-    clean = pool.run(train, 0, (16, 32, 8), 4)
+    clean = clean4
     for r in range(2):
         log = res[r]["log"]
         assert log[0]["step"] == 2 and log[0]["action"] == "replay", log

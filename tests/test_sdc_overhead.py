@@ -68,7 +68,7 @@ def overhead(rank, world, steps, shape, batch):
 
 def test_overhead_is_measured(record_property):
     with GlooPool(2, timeout=timedelta(seconds=90)) as pool:
-        runs = {batch: pool.run(overhead, 8, (256, 1024, 256), batch) for batch in (64, 512)}
+        runs = {batch: pool.run(overhead, 6, (256, 1024, 256), batch) for batch in (256,)}
     for batch, res in runs.items():
         share = max(r["share"] for r in res)
         ratio = max(r["checked"] for r in res) / max(r["plain"] for r in res)

@@ -236,3 +236,11 @@ def test_sdc_config_loads_from_a_toml_table():
     cfg = load_section(SdcConfig, {"check_every": 2, "probe_dtypes": ["float32"]}, "sdc", "x.toml")
     assert cfg.check_every == 2 and list(cfg.probe_dtypes) == ["float32"]
     assert any(line.startswith("sdc.loss_spike_k") for line in explain(SdcConfig, "sdc."))
+
+
+def test_grad_spike_floor_spares_natural_jumps_and_catches_exponent_flips():
+    det = RobustSpike(k=50, window=50, warmup=10, min_sigma=0.1)
+    for i in range(30):
+        assert not det.check(math.log(100.0 * (1 + 0.01 * (i % 3))))[0]
+    assert not det.check(math.log(300.0))[0]            # a hard batch: 3x
+    assert det.check(math.log(100.0 * 2.0 ** 64))[0]    # a flipped exponent bit

@@ -66,6 +66,14 @@ class ResilientAgent(SimpleElasticAgent):
         self._next_membership_check = 0.0
         self._round = 0
         self._startup_failures = 0
+        self.store = None
+        if settings.store is not None and settings.etcd_factory is not None:
+            from resilient.agent.store import NodeStoreService
+
+            self.store = NodeStoreService(settings.store, settings.run_id, settings.node_id,
+                                          settings.etcd_endpoint, settings.etcd_factory, self._tmp, events)
+            if registry is not None:
+                registry.update(store=self.store.server.address)
 
     # -- rendezvous -----------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -97,6 +105,7 @@ class ResilientAgent(SimpleElasticAgent):
             "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(), "TORCHELASTIC_USE_AGENT_STORE": "False",
             "RESILIENT_ROUND": str(self._round),
             HEARTBEAT_ENV: self.heartbeats.path(worker.local_rank),
+            **(self.store.env() if self.store is not None else {}),
         }
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
@@ -108,6 +117,8 @@ class ResilientAgent(SimpleElasticAgent):
             wp.assign(self._worker_env(worker_group, worker), self.settings.worker_argv)
             self.procs[worker.local_rank] = wp
         self.pool.refill_later()
+        if self.store is not None:
+            self.store.set_workers({w.global_rank for w in worker_group.workers}, worker_group.workers[0].world_size)
         self.events.emit("workers_started", round=self._round, local_ranks=sorted(self.procs),
                          warm=warm, pids=[p.pid for p in self.procs.values()])
         return {r: p.pid for r, p in self.procs.items()}
@@ -191,10 +202,15 @@ class ResilientAgent(SimpleElasticAgent):
             self.events.emit("preemption", signal=int(death_sig),
                              grace_seconds=self.settings.preemption_grace.total_seconds())
             self._stop_workers(self._worker_group, signal.SIGTERM, self.settings.preemption_grace)
+            if self.store is not None:
+                # The newest version must survive this node: replicate it before leaving.
+                self.store.flush(timedelta(seconds=10))
             self._leave_rendezvous()
         else:
             self._stop_workers(self._worker_group, death_sig, timedelta(seconds=timeout))
         self.pool.close()
+        if self.store is not None:
+            self.store.close()
         if self.registry is not None:
             self.registry.leave()
         shutil.rmtree(self._tmp, ignore_errors=True)

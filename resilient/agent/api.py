@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from resilient.errors import ResilientError
 
@@ -43,6 +44,10 @@ class AgentSettings:
     startup_timeout: timedelta = timedelta(minutes=5)
     lease_ttl: timedelta = timedelta(seconds=3)
     preemption_grace: timedelta = timedelta(seconds=20)
+    run_id: str = ""
+    etcd_endpoint: str = ""
+    etcd_factory: Any = None            # () -> EtcdClient, for the node store service
+    store: Any = None                   # resilient.agent.store.StoreSettings; None = no memory tiers
     worker_argv: list[str] = field(default_factory=list)
     worker_env: dict[str, str] = field(default_factory=dict)
 

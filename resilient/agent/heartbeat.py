@@ -12,7 +12,9 @@ state: that phase gets its own, longer timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +38,24 @@ class HeartbeatWriter:
                 os.utime(self.path, None)
             except FileNotFoundError:
                 Path(self.path).touch()
+
+    @contextlib.contextmanager
+    def while_waiting(self, every: timedelta = timedelta(seconds=1)):
+        """Beat from a thread during a long wait that has its own bound (the
+        final upload, shutdown): the agent must not take it for a hang."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(every.total_seconds()):
+                self.beat()
+
+        thread = threading.Thread(target=loop, name="heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
 
 class HeartbeatMonitor:

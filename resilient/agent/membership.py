@@ -33,6 +33,11 @@ class NodeRegistry:
         self.lease = LivenessLease(client, ttl)
         self._missing: dict[str, int] = {}
 
+    def update(self, **info) -> None:
+        """Add fields to this node's description (e.g. its store address) and re-publish it."""
+        self.info.update(info)
+        self.register()
+
     def register(self) -> None:
         self.client.put(self.prefix + self.node_id, json.dumps(self.info), lease=self.lease.id)
 

@@ -87,6 +87,18 @@ def bitsum(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def sums_and_bits(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 sums, int64 bit-sums) of local tensors, on the host: the two numbers
+    an at-rest record needs (two passes instead of :func:`stats`' four)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.int64)
+    xs = [local(t).detach() for t in tensors]
+    s = torch.stack([f64_sum(x) for x in xs]).cpu()
+    b = torch.stack([bitsum(x).to(torch.int64) for x in xs]).cpu()
+    return s, b
+
+
+@torch.no_grad()
 def stats(tensors: Sequence[torch.Tensor | None], device: torch.device | None = None) -> torch.Tensor:
     """A ``[len(tensors), 4]`` float64 CPU tensor: (sum, l1, amax, bits) per tensor.
 
@@ -224,11 +236,12 @@ class RobustSpike:
     ``(x - median) / (1.4826·MAD) > k``; it is then *not* added to the window,
     so one corrupt step cannot raise the bar for the next. With fewer than
     ``warmup`` values nothing is judged. A MAD of zero (a constant series) uses
-    a floor of ``1e-12·|median|`` so a constant series flags only real jumps.
+    a floor of ``1e-12·|median|`` so a constant series flags only real jumps;
+    ``min_sigma`` sets an absolute floor where natural variation is known.
     """
 
-    def __init__(self, k: float, window: int = 50, warmup: int = 10):
-        self.k, self.warmup = k, warmup
+    def __init__(self, k: float, window: int = 50, warmup: int = 10, min_sigma: float = 0.0):
+        self.k, self.warmup, self.min_sigma = k, warmup, min_sigma
         self.values: deque[float] = deque(maxlen=window)
 
     def score(self, x: float) -> float:
@@ -237,7 +250,7 @@ class RobustSpike:
         v = sorted(self.values)
         med = v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
         mad = sorted(abs(a - med) for a in v)[len(v) // 2]
-        sigma = max(1.4826 * mad, 1e-12 * abs(med), 1e-30)
+        sigma = max(1.4826 * mad, 1e-12 * abs(med), self.min_sigma, 1e-30)
         return (x - med) / sigma
 
     def check(self, x: float) -> tuple[bool, float]:

@@ -56,8 +56,8 @@ from torch import nn
 
 from resilient.sdc.api import (KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA, Action,
                                Decision, SdcConfig, SdcDetected, Suspicion, Verdict)
-from resilient.sdc.checksums import (AMAX, BITS, L1, SUM, RobustSpike, bitsum, compare_replicas, harmless_bound,
-                                     local, stats)
+from resilient.sdc.checksums import (AMAX, L1, SUM, RobustSpike, bitsum, compare_replicas, harmless_bound, local,
+                                     stats, sums_and_bits)
 from resilient.sdc.probes import Prober
 from resilient.sdc.reduction import ReductionCheck, attach_fsdp
 from resilient.sdc.replay import EXACT_KINDS, Match, ReplayStateMachine, compare, fingerprint
@@ -135,7 +135,7 @@ class SdcMonitor:
         self.sm = ReplayStateMachine(max_transients=self.cfg.max_transients)
         self.loss_spikes: dict[int, RobustSpike] = {}
         self.devices: dict[int, str] = {}
-        self._at_rest: tuple[int, list[str], torch.Tensor] | None = None  # (step, names, stats)
+        self._at_rest: tuple[int, list[str], tuple[torch.Tensor, torch.Tensor]] | None = None  # (step, names, (sums, bits))
         self._last_verified = -1   # newest step whose parameters a check verified clean
         self._external: list[Suspicion] = []
         self._hook_seconds = 0.0
@@ -241,17 +241,18 @@ class SdcMonitor:
     def _at_rest_check(self, step: int, model_parts: Parts) -> list[Suspicion]:
         if self._at_rest is None:
             return []
-        rec_step, names, before = self._at_rest
+        rec_step, names, (sums, bits) = self._at_rest
         params = dict(_named_params(model_parts))
         # clean path: one int32 bit-sum per tensor (every single-bit flip changes it)
         now_bits = torch.stack([bitsum(local(params[n]).detach()).to(torch.int64) for n in names]).cpu()
-        changed = now_bits != before[:, BITS].contiguous().view(torch.int64)
         out = []
-        for i in torch.nonzero(changed).flatten().tolist():
+        for i in torch.nonzero(now_bits != bits).flatten().tolist():
             p = params[names[i]]
             now = stats([p])[0]
-            d = abs(float(now[SUM]) - float(before[i, SUM]))
-            bound = harmless_bound(local(p).dtype, float(before[i, AMAX]), float(before[i, L1]), local(p).numel())
+            d = abs(float(now[SUM]) - float(sums[i]))
+            # amax / L1 of the tensor as it is now: a flip big enough to change them is far
+            # beyond the harmless bound anyway (x·2**k has Δ ≈ its own magnitude ≫ 4u·amax)
+            bound = harmless_bound(local(p).dtype, float(now[AMAX]), float(now[L1]), local(p).numel())
             out.append(Suspicion(step=step, rank=self.rank, kind=KIND_AT_REST, tensor=names[i],
                                  device=self._devices()[self.rank],
                                  harmless=math.isfinite(d) and d <= bound,
@@ -403,7 +404,7 @@ class SdcMonitor:
             return Decision()
         self._devices()
         named = _named_params(model_parts)
-        self._at_rest = (step, [n for n, _ in named], stats([p for _, p in named]))
+        self._at_rest = (step, [n for n, _ in named], sums_and_bits([p for _, p in named]))
         psets = [rs for rs in self.replicas if rs.what == "param"]
         if not psets:
             return Decision()

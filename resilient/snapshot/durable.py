@@ -290,7 +290,7 @@ class Committer:
             self.committed = step if self.committed is None else max(self.committed, step)
             self._pending.pop(step, None)
             self._cond.notify_all()
-        emit(self.events, "commit", step=step, url=f"{self.url.rstrip('/')}/{version_dir(step)}",
+        emit(self.events, "commit", tier="durable", step=step, url=f"{self.url.rstrip('/')}/{version_dir(step)}",
              world=self.world, tensors=len(m.tensors), bytes=m.nbytes, seconds=round(time.monotonic() - t0, 4))
         with self._cond:
             protect = set(self._pending)

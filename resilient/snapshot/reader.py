@@ -90,21 +90,7 @@ class SnapshotReader:
             except SnapshotCorrupt:
                 if attempt == 2:
                     raise
-        if chunk.compression == "zstd":
-            data = decompress(data, chunk.raw_length, where)
-        elif len(data) != chunk.raw_length:
-            raise SnapshotCorrupt(f"{where}: {len(data)} bytes, expected {chunk.raw_length}", where)
-        dtype = dtype_from_name(tensor.dtype, where)
-        n = 1
-        for s in chunk.sizes:
-            n *= s
-        if n * torch.empty((), dtype=dtype).element_size() != len(data):
-            raise SnapshotCorrupt(f"{where}: {len(data)} bytes do not hold {list(chunk.sizes)} x {tensor.dtype}", where)
-        if n == 0:
-            return torch.empty(chunk.sizes, dtype=dtype)
-        with warnings.catch_warnings():  # read-only bytes are fine: the tensor is only copied from
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(data, dtype=dtype).view(chunk.sizes)
+        return decode_chunk(data, tensor, chunk, where)
 
     def verify(self, manifest: Manifest) -> list[SnapshotError]:
         """Check a whole version, streaming: every chunk's bytes against its checksum and
@@ -139,6 +125,25 @@ class SnapshotReader:
             out = torch.empty(box.sizes, dtype=dtype_from_name(t.dtype, name))
         fill_boxes(self, manifest, t, [(box, out)])
         return out
+
+
+def decode_chunk(data: bytes, tensor: TensorRecord, chunk: ChunkRecord, where: str) -> torch.Tensor:
+    """Verified stored bytes of ``chunk`` → a CPU tensor of shape ``chunk.sizes`` (decompressed, size-checked)."""
+    if chunk.compression == "zstd":
+        data = decompress(data, chunk.raw_length, where)
+    elif len(data) != chunk.raw_length:
+        raise SnapshotCorrupt(f"{where}: {len(data)} bytes, expected {chunk.raw_length}", where)
+    dtype = dtype_from_name(tensor.dtype, where)
+    n = 1
+    for s in chunk.sizes:
+        n *= s
+    if n * torch.empty((), dtype=dtype).element_size() != len(data):
+        raise SnapshotCorrupt(f"{where}: {len(data)} bytes do not hold {list(chunk.sizes)} x {tensor.dtype}", where)
+    if n == 0:
+        return torch.empty(chunk.sizes, dtype=dtype)
+    with warnings.catch_warnings():  # read-only bytes are fine: the tensor is only copied from
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype).view(chunk.sizes)
 
 
 def fill_boxes(reader: SnapshotReader, manifest: Manifest, t: TensorRecord,

@@ -96,9 +96,20 @@ def restore_state(reader: SnapshotReader, state: dict, *, rank: int, config_dige
 
     Returns None when no complete version exists. Raises the newest version's
     error when versions exist but none can be restored on every rank."""
+    return restore_candidates([(s, reader, "durable") for s in _candidates(reader)], state, rank=rank,
+                              config_digest=config_digest, strict=strict, events=events, layout=layout)
+
+
+def restore_candidates(candidates: list[tuple[int, Any, str]], state: dict, *, rank: int,
+                       config_digest: str = "", strict: bool = True, events: Any = None,
+                       layout: dict | None = None) -> Restored | None:
+    """Try ``(step, reader, tier)`` in order (the same list on every rank) until one stages on
+    every rank; copy it in place. A reader is a :class:`SnapshotReader` or anything with its
+    ``url``, ``threads``, ``manifest``, ``manifest_path`` and ``read_chunk`` (the memory tiers);
+    one with ``served_tier()`` names the tier that actually served this rank (``local``/``peer``)."""
     t0 = time.monotonic()
     first_error: SnapshotError | None = None
-    for step in _candidates(reader):
+    for step, reader, tier in candidates:
         err: SnapshotError | None = None
         try:
             m = reader.manifest(step)
@@ -114,8 +125,9 @@ def restore_state(reader: SnapshotReader, state: dict, *, rank: int, config_dige
                 container[key] = value
             world = dist.get_world_size() if _dist() else 1
             resharded = m.world != world or (layout is not None and m.layout != layout)
+            served = reader.served_tier() if hasattr(reader, "served_tier") else tier
             emit(events, "restore", step=m.step, url=reader.url, seconds=round(time.monotonic() - t0, 4),
-                 bytes_read=nbytes, resharded=resharded, writer_world=m.world)
+                 bytes_read=nbytes, resharded=resharded, writer_world=m.world, tier=served)
             return Restored(step=m.step, extra=m.rank_extras.get(rank), global_extra=m.extra,
                             rank_extras=m.rank_extras, layout=m.layout, world=m.world, url=reader.url,
                             resharded=resharded)
@@ -123,7 +135,7 @@ def restore_state(reader: SnapshotReader, state: dict, *, rank: int, config_dige
             err = SnapshotError(f"{reader.url} step {step}: another rank could not restore it (see its log)")
         first_error = first_error or err
         emit(events, "restore_fallback", step=step, url=reader.url, error=str(err),
-             error_type=type(err).__name__, obj=err.obj)
+             error_type=type(err).__name__, obj=err.obj, tier=tier)
     if first_error is not None:
         raise first_error
     return None

@@ -52,6 +52,9 @@ class Snapshotter:
       ``seconds``: also capture when this much time passed since the last.
     - ``layout``: free-form dict stored in the manifest (e.g. pp/dp/tp/world).
     - ``config_digest``: identifies the model; restore refuses another's.
+    - ``commit``: False for a store that something else commits (the node
+      store: the agent's replicator records versions in etcd); no rank then
+      runs a committer or retention.
     - ``overlap``: on CUDA, let the next kernels run before the device-to-host
       copy ends; then call :meth:`fence` before modifying the parameters
       (i.e. before ``optimizer.step()``).
@@ -62,7 +65,8 @@ class Snapshotter:
                  keep_every: int = 0, compress: str = "auto", threads: int = 4,
                  part_bytes: int = 64 << 20, chunk_bytes: int = 16 << 20,
                  storage_options: dict | None = None, retry: RetryPolicy = RetryPolicy(),
-                 commit_timeout: timedelta = timedelta(minutes=30), overlap: bool = False):
+                 commit_timeout: timedelta = timedelta(minutes=30), overlap: bool = False,
+                 commit: bool = True):
         self.url, self.every, self.seconds, self.events = url, every, seconds, events
         self.rank, self.world = _rank_world()
         if seconds > 0 and self.world > 1:
@@ -79,7 +83,7 @@ class Snapshotter:
                                    commit_timeout=commit_timeout, retry=retry)
         fs, root = open_url(url, storage_options)
         self._ring = SlotRing(2)
-        self._committer = Committer(fs, root, self.world, self.opts, events, url) if self.rank == 0 else None
+        self._committer = Committer(fs, root, self.world, self.opts, events, url) if self.rank == 0 and commit else None
         self._uploader = Uploader(fs, root, self.rank, self.world, self._ring, self.opts, events,
                                   self.layout, config_digest, self._committer)
         self._plan = None

@@ -1,0 +1,224 @@
+"""One entry point for every benchmark: ``python bench/run.py [NAME ...] [--quick]``.
+
+Why: users pick between torchrun + DCP, torchft, nvidia-resiliency-ext and us
+on numbers, and numbers from these shared 2-core machines are only honest when
+ours and the anchor's are measured side by side in one run. Each benchmark is
+a module ``bench/bench_<name>.py`` with ``run(quick: bool) -> dict`` (see
+``common.row``); this script runs the named ones (default: all), writes
+``bench/results/NAME.json`` (figures with median/min/max/n, ratios, goals, the
+exact command, the date) and PNG plots, then regenerates ``bench/RESULTS.md``
+from every JSON present, so rows measured on different days keep their date.
+
+``bench/bench_ckpt.py`` (reshard/convert throughput, another engineer's) has no
+``run()``: it is run as a subprocess and its JSON lines become the ``ckpt`` row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import json
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from common import fig, goal, plot_figures, row, shown  # noqa: E402
+
+RESULTS = BENCH / "results"
+# Run order: cheap in-process rows first, training jobs last.
+ORDER = ["stall", "durable", "restore", "ckpt", "overhead", "recovery", "lostwork"]
+# Rows of issue 9 that no module measures yet, with why.
+PLANNED = {
+    "recovery_node": "Recovery after kill -9 of a whole node, from peer RAM: pending the peer RAM tier landing "
+                     "in `resilient launch` (bench/memory_tiers.py by the tiers' engineer measures it by hand meanwhile).",
+    "sdc": "SDC detection rate / false positives / check overhead: pending the [sdc] config section and its "
+           "wiring into the training loop (issue 7).",
+    "chaos": "Chaos soak (faults survived, steps lost, recovery by fault kind): pending `resilient chaos run` reports.",
+}
+
+
+def names() -> list[str]:
+    found = {p.stem.removeprefix("bench_") for p in BENCH.glob("bench_*.py")}
+    return [n for n in ORDER if n in found] + sorted(found - set(ORDER))
+
+
+def run_ckpt(quick: bool) -> dict:
+    """The ckpt row from bench_ckpt.py's JSON lines (one per measurement)."""
+    cmd = [sys.executable, str(BENCH / "bench_ckpt.py")] + (["--sizes", "0.1", "0.25"] if quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    lines = []
+    for line in proc.stdout.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    if proc.returncode != 0 and not lines:
+        raise RuntimeError(f"bench_ckpt.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    figures, ratios, goals = {}, {}, []
+    keep = {"mb_s": ("MB/s", "throughput"), "peak_rss_mb": ("MB", "peak RSS"), "rss_over_baseline_mb": ("MB", "RSS over baseline")}
+    for d in lines:
+        for k, (unit, what) in keep.items():
+            if isinstance(d.get(k), (int, float)):
+                figures[f"{d.get('op')}_{d.get('size_gb')}GB_{k}"] = fig([d[k]], unit, f"{d.get('op')} {d.get('size_gb')} GB {what}", 1)
+    for op in sorted({d.get("op") for d in lines}):
+        mine = sorted((d for d in lines if d.get("op") == op and "rss_over_baseline_mb" in d), key=lambda d: d["size_gb"])
+        if len(mine) >= 2 and mine[0]["rss_over_baseline_mb"] > 0:
+            small, big = mine[0], mine[-1]
+            r = round(big["rss_over_baseline_mb"] / small["rss_over_baseline_mb"], 2)
+            grow = big["size_gb"] / small["size_gb"]
+            ratios[op] = {"value": r, "label": f"{op}: RSS over baseline at {big['size_gb']} GB / at {small['size_gb']} GB "
+                          f"(checkpoint {grow:g}x larger)", "better": "lower"}
+            goals.append(goal(f"{op}: peak RSS flat as the checkpoint grows (issue 6)", r <= 1.25,
+                              f"RSS over baseline grew {r}x for a {grow:g}x larger checkpoint"))
+    res = row("Checkpoint tools: reshard / convert throughput and peak RSS", figures, ratios, goals,
+              notes=["One measurement per size (bench_ckpt.py's own design, by the tools' engineer); "
+                     "raw JSON lines in results/ckpt.json `lines`. Flat = grows ≤ 1.25x."])
+    res["lines"] = lines
+    res["command"] = shown(cmd)
+    return res
+
+
+def run_one(name: str, quick: bool) -> dict:
+    t0 = time.time()
+    if name == "ckpt":
+        res = run_ckpt(quick)
+    else:
+        mod = importlib.import_module(f"bench_{name}")
+        res = mod.run(quick)
+    res.setdefault("command", f"python bench/run.py {name}{' --quick' if quick else ''}")
+    res.update(name=name, quick=quick, date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               wall_s=round(time.time() - t0, 1), host=f"{platform.node()}, {_cores()} cores, torch {_torch()}")
+    return res
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+def _torch() -> str:
+    import torch
+
+    return torch.__version__
+
+
+# ----------------------------------------------------------------- RESULTS.md
+def _fmt(f: dict) -> str:
+    if f.get("median") is None:
+        return "–"
+    m, lo, hi, u = f["median"], f["min"], f["max"], f["unit"]
+    g = lambda x: f"{x:.3g}"  # noqa: E731
+    spread = f" ({g(lo)}–{g(hi)}, n={f['n']})" if f["n"] > 1 else ""
+    return f"{g(m)} {u}{spread}"
+
+
+def _goal_cell(gl: dict) -> str:
+    mark = {True: "met", False: "NOT met", None: "not judged"}[gl["met"]]
+    return f"{gl['text']}: **{mark}** ({gl['detail']})"
+
+
+def render(results: dict[str, dict]) -> str:
+    out = ["# Benchmark results", "",
+           "Generated by `python bench/run.py` (bench/run.py). Every figure: median of several runs, "
+           "the spread (min–max) and n; ours and the anchor measured side by side in one run, alternating. "
+           "The machine is shared (2 cores, other engineers' tests running), so absolute times are noisy: "
+           "read the ratios. Raw figures: `bench/results/NAME.json`.", "",
+           "## Ratios and goals", "", "| row | ratio | value | goal | measured |", "| --- | --- | --- | --- | --- |"]
+    for name, r in results.items():
+        goals = r.get("goals", [])
+        ratios = list(r.get("ratios", {}).values())
+        if r.get("status") == "pending":
+            out.append(f"| {name} | pending | – | {'; '.join(_goal_cell(g) for g in goals) or '–'} | – |")
+            continue
+        first = True
+        for rt in ratios or [{"label": "–", "value": None}]:
+            gcell = "; ".join(_goal_cell(g) for g in goals) if first else ""
+            val = "–" if rt.get("value") is None else f"{rt['value']}x ({rt.get('better', 'lower')} is better)"
+            out.append(f"| {name if first else ''} | {rt['label']} | {val} | {gcell} | {r['date'] if first else ''} |")
+            first = False
+    for name, why in PLANNED.items():
+        if name not in results:
+            out.append(f"| {name} | pending | – | {why} | – |")
+    for name, r in results.items():
+        out += ["", f"## {name}: {r.get('title', '')}", "",
+                f"- command: `{r.get('command', '')}`" + (" (quick mode)" if r.get("quick") else ""),
+                f"- date: {r.get('date', '?')}; host: {r.get('host', '?')}; wall: {r.get('wall_s', '?')} s",
+                f"- status: {r.get('status', 'measured')}"]
+        for g in r.get("goals", []):
+            out.append(f"- goal: {_goal_cell(g)}")
+        for n in r.get("notes", []):
+            out.append(f"- {n}")
+        if r.get("figures"):
+            out += ["", "| figure | median (min–max, n) |", "| --- | --- |"]
+            out += [f"| {f.get('label') or k} | {_fmt(f)} |" for k, f in r["figures"].items()]
+        if r.get("ratios"):
+            out += ["", "| ratio | value |", "| --- | --- |"]
+            out += [f"| {rt['label']} | {'–' if rt['value'] is None else str(rt['value']) + 'x'} |"
+                    for rt in r["ratios"].values()]
+        for p in r.get("png", []):
+            out += ["", f"![{name}](results/{p})"]
+    for name, why in PLANNED.items():
+        if name not in results:
+            out += ["", f"## {name}: pending", "", f"- {why}"]
+    return "\n".join(out) + "\n"
+
+
+def load_all() -> dict[str, dict]:
+    got = {}
+    for n in names() + sorted(p.stem for p in RESULTS.glob("*.json")):
+        p = RESULTS / f"{n}.json"
+        if n not in got and p.exists():
+            got[n] = json.loads(p.read_text())
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(names())})")
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats: each under about a minute")
+    ap.add_argument("--render-only", action="store_true", help="only regenerate RESULTS.md from results/*.json")
+    args = ap.parse_args(argv)
+    todo = args.names or names()
+    unknown = [n for n in todo if n not in names()]
+    if unknown:
+        ap.error(f"unknown benchmark(s) {unknown}; have {names()}")
+    RESULTS.mkdir(exist_ok=True)
+    failed = []
+    for name in [] if args.render_only else todo:
+        print(f"== {name}{' (quick)' if args.quick else ''}", flush=True)
+        try:
+            res = run_one(name, args.quick)
+        except Exception as e:  # one broken row must not lose the others
+            traceback.print_exc()
+            failed.append(name)
+            res = row(name, {}, notes=[f"failed: {type(e).__name__}: {str(e)[:500]}"], status="failed")
+            res.update(name=name, quick=args.quick, command=f"python bench/run.py {name}",
+                       date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+        for stale in RESULTS.glob(f"{name}*.png"):
+            if stale.stem == name or stale.stem.removeprefix(f"{name}-").isdigit():
+                stale.unlink()
+        try:
+            res["png"] = plot_figures(name, res, RESULTS) if res.get("figures") else []
+        except Exception:  # a plot is not worth the row's numbers
+            traceback.print_exc()
+            res["png"] = []
+        (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1))
+        for k, rt in res.get("ratios", {}).items():
+            print(f"   {rt['label']}: {rt['value']}x", flush=True)
+        for g in res.get("goals", []):
+            print(f"   goal: {_goal_cell(g)}", flush=True)
+    (BENCH / "RESULTS.md").write_text(render(load_all()))
+    print(f"wrote {BENCH / 'RESULTS.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

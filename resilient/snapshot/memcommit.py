@@ -1,0 +1,267 @@
+"""The agent's replicator: local versions → peer RAM → commit records in etcd.
+
+One daemon thread per agent, never in the training path. Each turn it takes
+the *newest* version its workers finished writing into the node store (all
+of the node's ranks have their rank manifest; older unfinished versions are
+skipped: coalescing, as the durable uploader does), and
+
+1. records "node N holds ranks R of step S" under
+   ``/resilient/<run>/mem/holds/<S>/<N>`` and, when the holds of all nodes
+   cover every rank, commits the version at tier ``local`` (create-only CAS
+   on ``/resilient/<run>/commit/local/<S>``; the winner emits ``commit``);
+2. pushes the node's rank files (parts first, rank manifest last) to
+   ``k`` peers (:func:`~resilient.snapshot.peer.peer_order`: other failure
+   domains first), rate-limited;
+3. records the replicas and, when every rank is held on ``1+k`` nodes,
+   commits at tier ``peer`` (CAS on ``/resilient/<run>/commit/memory/<S>``).
+
+A commit record is JSON ``{"step", "attempt", "world", "k", "holders":
+{"<rank>": [nodes]}}``: what restore needs to find every shard. It is written
+once (create-only) so concurrent agents never disagree about a version.
+``k`` is capped by the number of other live nodes (one node alone commits
+with ``k = 0``).
+
+Retention: the store keeps the newest ``keep`` versions plus the newest one
+committed at a memory tier (never deleted while it is the newest), so it is
+bounded at ``keep + 1`` versions. When tmpfs runs low the thread warns
+(``upload_error`` with ``phase = "store_full"``) instead of failing.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+from resilient.snapshot.nodestore import LocalVersion, NodeStore
+from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError, peer_order
+
+log = logging.getLogger(__name__)
+
+
+def commit_key(run_id: str, tier: str, step: int) -> str:
+    return f"/resilient/{run_id}/commit/{tier}/{step:012d}"
+
+
+def holds_prefix(run_id: str, step: int) -> str:
+    return f"/resilient/{run_id}/mem/holds/{step:012d}/"
+
+
+@dataclass
+class ReplicatorOptions:
+    k: int = 1
+    keep: int = 2
+    rate: float = 0.0                       # bytes/s per push, 0 = unlimited
+    poll: timedelta = timedelta(milliseconds=50)
+    io_timeout: timedelta = timedelta(seconds=30)
+
+
+class Replicator:
+    """See the module docstring. ``nodes()`` returns the live nodes' registry info
+    (``{node: {"domain", "store", ...}}``) or None when etcd is unreachable."""
+
+    def __init__(self, store: NodeStore, client, run_id: str, node: str, secret: bytes,
+                 nodes: Callable[[], dict[str, dict] | None], opts: ReplicatorOptions, events: Any):
+        self.store, self.client, self.run_id, self.node = store, client, run_id, node
+        self.secret, self.nodes, self.opts, self.events = secret, nodes, opts, events
+        self.local_ranks: frozenset[int] = frozenset()
+        self.world = 0
+        self.done: int = -1                 # newest step handled
+        self.since = 0.0                    # when the current worker group started
+        self.committed: dict[str, int] = {}  # tier -> newest step committed (seen by us)
+        self._clients: dict[str, PeerClient] = {}
+        self._cond = threading.Condition()
+        self._stop = False
+        self._busy = False
+        self._warned_full = 0.0
+        self._thread = threading.Thread(target=self._run, name="snapshot-replicator", daemon=True)
+        self._thread.start()
+
+    def set_workers(self, ranks: set[int], world: int) -> None:
+        """The global ranks this node's workers now have (called at every worker start)."""
+        with self._cond:
+            # A new worker group: what the previous one left unfinished is not ours to commit.
+            self.local_ranks, self.world = frozenset(ranks), world
+            self.since, self.done = time.time() - 0.5, -1
+            self._cond.notify_all()
+
+    # -- the loop ---------------------------------------------------------------
+    def _newest_ready(self) -> LocalVersion | None:
+        with self._cond:
+            mine = self.local_ranks
+        if not mine:
+            return None
+        ready = [v for v in self.store.versions() if mine <= v.ranks and v.step > self.done and v.mtime >= self.since]
+        return ready[-1] if ready else None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+            v = self._newest_ready()
+            if v is None:
+                with self._cond:
+                    self._cond.wait(self.opts.poll.total_seconds())
+                continue
+            with self._cond:
+                self._busy = True
+            try:
+                self._handle(v)
+            except Exception as e:  # replication must never take the agent down
+                log.warning("replicating step %d failed: %s", v.step, e)
+                self._emit("upload_error", step=v.step, phase="replicate", error=f"{type(e).__name__}: {e}")
+            finally:
+                with self._cond:
+                    self.done = max(self.done, v.step)
+                    self._busy = False
+                    self._cond.notify_all()
+            self._retain()
+
+    def _handle(self, v: LocalVersion) -> None:
+        mine = sorted(self.local_ranks & v.ranks)
+        world = self.world
+        nodes = self.nodes() or {}
+        holders = {r: [self.node] for r in mine}
+        self._hold(v, holders)
+        self._try_commit("local", v, world, 0)
+        others = {n: i for n, i in nodes.items() if n != self.node and i.get("store")}
+        k = min(self.opts.k, len(others))
+        if k == 0:
+            self._try_commit("memory", v, world, 0)
+            return
+        t0, sent = time.monotonic(), 0
+        for peer in peer_order(self.node, {**others, self.node: nodes.get(self.node, {})}, len(others)):
+            if sum(1 for n in holders[mine[0]] if n != self.node) >= k:
+                break
+            try:
+                sent += self._push(peer, others[peer]["store"], v, mine)
+            except (PeerError, SnapshotError, OSError) as e:
+                self._drop_client(peer)
+                self._emit("upload_error", step=v.step, phase="replicate", obj=peer, error=str(e))
+                continue
+            for r in mine:
+                holders[r].append(peer)
+        self._hold(v, holders)
+        self._emit("upload", step=v.step, bytes=sent, stored_bytes=sent, parts=len(mine),
+                   seconds=round(time.monotonic() - t0, 4), tier="peer",
+                   peers=sorted({n for h in holders.values() for n in h} - {self.node}))
+        self._try_commit("memory", v, world, k)
+
+    def _client(self, peer: str, address: str) -> PeerClient:
+        c = self._clients.get(peer)
+        if c is None or c.address != address:
+            c = self._clients[peer] = PeerClient(address, self.secret, self.opts.io_timeout, self.opts.rate)
+        return c
+
+    def _drop_client(self, peer: str) -> None:
+        c = self._clients.pop(peer, None)
+        if c is not None:
+            c.close()
+
+    def _push(self, peer: str, address: str, v: LocalVersion, ranks: list[int]) -> int:
+        c = self._client(peer, address)
+        sent = 0
+        for r in ranks:
+            for rel in self.store.rank_files(v.step, v.attempt, r):
+                data = self.store.read(rel)
+                c.put(rel, data)
+                sent += len(data)
+        return sent
+
+    # -- etcd records -----------------------------------------------------------
+    def _hold(self, v: LocalVersion, holders: dict[int, list[str]]) -> None:
+        doc = {"attempt": v.attempt, "world": self.world, "holders": {str(r): h for r, h in holders.items()}}
+        self.client.put(holds_prefix(self.run_id, v.step) + self.node, json.dumps(doc))
+
+    def _try_commit(self, tier: str, v: LocalVersion, world: int, k: int) -> bool:
+        merged: dict[str, list[str]] = {}
+        for kv in self.client.get_prefix(holds_prefix(self.run_id, v.step)):
+            try:
+                doc = json.loads(kv.value)
+            except ValueError:
+                continue
+            if doc.get("attempt") != v.attempt or doc.get("world") != world:
+                continue
+            for r, h in doc.get("holders", {}).items():
+                merged.setdefault(r, [])
+                merged[r] += [n for n in h if n not in merged[r]]
+        need = 1 + k
+        if len(merged) < world or any(len(merged.get(str(r), [])) < need for r in range(world)):
+            return False
+        record = {"step": v.step, "attempt": v.attempt, "world": world, "k": k, "holders": merged,
+                  "time": time.time()}
+        res = self.client.compare_and_swap(commit_key(self.run_id, tier, v.step), json.dumps(record),
+                                           mod_revision=None)
+        with self._cond:
+            self.committed[tier] = max(self.committed.get(tier, -1), v.step)
+        if res.succeeded and (tier == "local" or k > 0):  # k = 0: the local commit said it all
+            self._emit("commit", step=v.step, tier="local" if tier == "local" else "peer", world=world,
+                       k=k, url=f"memory://{self.run_id}/{tier}/{v.step}", holders=merged)
+            if v.step % 16 == 0:
+                self._forget_before(v.step - 32)
+        return True
+
+    def _forget_before(self, step: int) -> None:
+        """Delete commit and hold records of steps below ``step`` (one txn)."""
+        if step <= 0:
+            return
+        ops = []
+        for prefix in (f"/resilient/{self.run_id}/commit/local/", f"/resilient/{self.run_id}/commit/memory/",
+                       f"/resilient/{self.run_id}/mem/holds/"):
+            lo, hi = f"{prefix}{0:012d}", f"{prefix}{step:012d}"
+            ops.append({"request_delete_range": {"key": base64.b64encode(lo.encode()).decode(),
+                                                 "range_end": base64.b64encode(hi.encode()).decode()}})
+        try:
+            self.client.txn([], ops, [])
+        except Exception as e:  # bookkeeping only
+            log.debug("could not forget old commit records: %s", e)
+
+    # -- retention --------------------------------------------------------------
+    def _retain(self) -> None:
+        # Only versions at or below the newest one handled are candidates: a newer step
+        # directory may still be landing (no rank manifest yet), and must not be touched.
+        with self._cond:
+            done, committed = self.done, set(self.committed.values())
+        steps = sorted({v.step for v in self.store.versions() if v.step <= done})
+        keep = set(steps[-self.opts.keep:]) | committed
+        removed = self.store.retain(keep, below=done)
+        try:
+            free = self.store.free_bytes()
+        except OSError:
+            return
+        if free < (64 << 20) and time.monotonic() - self._warned_full > 30:
+            self._warned_full = time.monotonic()
+            self._emit("upload_error", step=self.done, phase="store_full", obj=str(self.store.path),
+                       error=f"node store {self.store.path} has {free >> 20} MiB left; versions will fail to "
+                             "land in RAM (training goes on). Enlarge /dev/shm or lower snapshot.store_keep")
+        del removed
+
+    # -- control ----------------------------------------------------------------
+    def flush(self, timeout: timedelta) -> bool:
+        """Wait until the newest finished version is handled (preemption: before leaving)."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while time.monotonic() < deadline:
+            v = self._newest_ready()
+            with self._cond:
+                if v is None and not self._busy:
+                    return True
+                self._cond.wait(0.05)
+        return False
+
+    def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout.total_seconds())
+        for peer in list(self._clients):
+            self._drop_client(peer)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(kind, **fields)

@@ -1,0 +1,227 @@
+"""The node store: this node's snapshot versions in shared memory (tmpfs).
+
+Why shared memory owned by the agent: a worker that crashes takes its
+process memory with it, but a tmpfs tree belongs to no process. The agent
+creates ``STORE_DIR/resilient-<run_id>/<node>/`` before it starts workers
+and removes it when it leaves, so a replaced worker finds the last version
+on its own node, at memory speed.
+
+Why the durable format (docs/format.md): workers write into the tree with
+the same :class:`~resilient.snapshot.Snapshotter` code that writes durable
+storage (``file://`` URL, no committer), and restore reads it with the same
+chunk/CRC logic. A node's tree holds, per version, the rank files of its own
+workers *and* the replicas peers pushed to it, side by side: rank numbers do
+not collide within one ``step-S/ATTEMPT``, so "which ranks does node N hold"
+is just a directory listing.
+
+Leaks: ``owner.json`` records the owning agent's pid and its start time. An
+agent killed with SIGKILL cannot clean up; the next agent of the same job on
+this machine removes every tree of the job whose owner is dead (:func:`reclaim`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from resilient.snapshot.api import SnapshotIncomplete, StorageError
+from resilient.snapshot.format import parse_version_dir, version_dir
+
+OWNER = "owner.json"
+# Everything a store holds has one of these names; anything else is refused (no "..", no absolute paths).
+_REL = re.compile(r"^step-\d{12}/[0-9a-zA-Z]{1,40}-\d{6}/r\d{5}(-p\d{4}\.bin|\.json)$")
+_RANK = re.compile(r"/r(\d{5})(?:-p\d{4}\.bin|\.json)$")
+
+
+def job_dir(base: str | os.PathLike, run_id: str) -> Path:
+    return Path(base) / f"resilient-{run_id}"
+
+
+def check_rel(rel: str) -> str:
+    """Raise ValueError unless ``rel`` is a store object name (``step-S/ATTEMPT/rRRRRR...``)."""
+    if not isinstance(rel, str) or not _REL.match(rel):
+        raise ValueError(f"{rel!r} is not a snapshot store object name")
+    return rel
+
+
+def rank_of(rel: str) -> int:
+    m = _RANK.search(rel)
+    if m is None:
+        raise ValueError(f"{rel!r} names no rank")
+    return int(m.group(1))
+
+
+def _owner_alive(path: Path) -> bool:
+    try:
+        info = json.loads((path / OWNER).read_text())
+        proc = psutil.Process(int(info["pid"]))
+        return abs(proc.create_time() - float(info["pid_started"])) < 1.0
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return False
+
+
+def reclaim(base: str | os.PathLike, run_id: str) -> list[str]:
+    """Remove this job's node trees whose owner process is dead; returns their node names."""
+    root = job_dir(base, run_id)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for tree in root.iterdir():
+        if tree.is_dir() and not _owner_alive(tree):
+            shutil.rmtree(tree, ignore_errors=True)
+            removed.append(tree.name)
+    try:
+        root.rmdir()  # only when empty
+    except OSError:
+        pass
+    return removed
+
+
+@dataclass(frozen=True)
+class LocalVersion:
+    """Rank manifests present in the store for one ``step-S/ATTEMPT``."""
+
+    step: int
+    attempt: str
+    ranks: frozenset[int]
+    mtime: float
+
+
+class NodeStore:
+    """One node's tree: create/remove, list, read ranges, write atomically, retention."""
+
+    def __init__(self, base: str | os.PathLike, run_id: str, node: str):
+        self.base, self.run_id, self.node = Path(base), run_id, node
+        self.path = job_dir(base, run_id) / node
+
+    @property
+    def url(self) -> str:
+        return self.path.as_uri()
+
+    # -- life cycle -------------------------------------------------------------
+    def create(self) -> list[str]:
+        """Reclaim dead trees of this job, then create ours (owned by this process)."""
+        reclaimed = reclaim(self.base, self.run_id)
+        if self.path.exists() and _owner_alive(self.path):
+            raise StorageError(f"{self.path}: another live agent owns node {self.node!r} of run "
+                               f"{self.run_id!r}; give this node another --node-id", str(self.path))
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(parents=True, mode=0o700)
+        me = psutil.Process()
+        (self.path / OWNER).write_text(json.dumps({"pid": me.pid, "pid_started": me.create_time(),
+                                                   "node": self.node}))
+        return reclaimed
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            self.path.parent.rmdir()
+        except OSError:
+            pass
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize
+
+    # -- contents ---------------------------------------------------------------
+    def versions(self) -> list[LocalVersion]:
+        """Every ``step-S/ATTEMPT`` with at least one rank manifest, oldest first."""
+        out = []
+        try:
+            steps = list(os.scandir(self.path))
+        except FileNotFoundError:
+            return out
+        for sd in steps:
+            step = parse_version_dir(sd.name)
+            if step is None or not sd.is_dir():
+                continue
+            try:
+                attempts = list(os.scandir(sd.path))
+            except FileNotFoundError:
+                continue
+            for ad in attempts:
+                try:
+                    names = [e for e in os.scandir(ad.path) if e.name.endswith(".json")]
+                    ranks = frozenset(int(e.name[1:6]) for e in names if re.fullmatch(r"r\d{5}\.json", e.name))
+                    mtime = max((e.stat().st_mtime for e in names), default=0.0)
+                except (FileNotFoundError, ValueError):
+                    continue
+                if ranks:
+                    out.append(LocalVersion(step, ad.name, ranks, mtime))
+        return sorted(out, key=lambda v: (v.step, v.mtime))
+
+    def rank_files(self, step: int, attempt: str, rank: int) -> list[str]:
+        """Relative names of a rank's objects, data parts first, its manifest last."""
+        adir = self.path / version_dir(step) / attempt
+        parts = sorted(e.name for e in os.scandir(adir) if e.name.startswith(f"r{rank:05d}-p") and e.name.endswith(".bin"))
+        return [f"{version_dir(step)}/{attempt}/{n}" for n in parts] + [f"{version_dir(step)}/{attempt}/r{rank:05d}.json"]
+
+    def file(self, rel: str) -> Path:
+        return self.path / check_rel(rel)
+
+    def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
+        path = self.file(rel)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read() if length is None else f.read(length)
+        except FileNotFoundError:
+            raise SnapshotIncomplete(f"{path}: not in node {self.node}'s store", str(path)) from None
+        if length is not None and len(data) != length:
+            raise SnapshotIncomplete(f"{path}: holds {offset + len(data)} bytes, wanted {offset + length}", str(path))
+        return data
+
+    def writer(self, rel: str) -> "AtomicWriter":
+        return AtomicWriter(self.file(rel))
+
+    def retain(self, keep: set[int], below: int) -> list[int]:
+        """Delete version directories of steps ``<= below`` not in ``keep``; returns the steps removed."""
+        removed = []
+        for sd in list(os.scandir(self.path)) if self.path.exists() else []:
+            step = parse_version_dir(sd.name)
+            if step is not None and step <= below and step not in keep:
+                shutil.rmtree(sd.path, ignore_errors=True)
+                removed.append(step)
+        return sorted(removed)
+
+
+class AtomicWriter:
+    """Stream bytes into a temporary file, check size and CRC-32, then rename into place.
+
+    No fsync: tmpfs has nothing to flush, and a store does not outlive the machine anyway."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.f = open(self.tmp, "wb")
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+
+    def commit(self, size: int, crc: int) -> None:
+        self.f.close()
+        if (self.size, self.crc & 0xFFFFFFFF) != (size, crc & 0xFFFFFFFF):
+            self.abort()
+            raise OSError(f"{self.path}: received {self.size} bytes crc32 {self.crc & 0xFFFFFFFF:08x}, "
+                          f"sender said {size} bytes crc32 {crc & 0xFFFFFFFF:08x}")
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            self.f.close()
+            os.unlink(self.tmp)
+        except OSError:
+            pass

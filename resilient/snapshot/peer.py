@@ -1,0 +1,288 @@
+"""Peer RAM: an authenticated TCP channel between node stores.
+
+Each agent runs a :class:`PeerServer` on its node store. Peers *push*
+replicas (``put``) and restoring workers *pull* byte ranges (``get``).
+
+Authentication: a per-job secret (32 random bytes, created once per job in
+etcd, see :func:`job_secret`). On connect both sides prove they hold it,
+HMAC-SHA256 challenge-response over fresh nonces in both directions, so a
+process without the secret can neither read nor write a store, and a client
+never takes bytes from a server that cannot prove membership. The secret is
+never sent. (Payloads are not encrypted: snapshots are training state, not
+credentials; put the fleet network behind the usual isolation.)
+
+Integrity: every transfer carries a CRC-32 of its whole payload, checked by
+the receiver before a ``put`` is renamed into place and before a ``get``
+returns; the format's per-chunk CRCs are checked again by the reader, so a
+replica corrupted at rest on a peer is caught too (:class:`SnapshotCorrupt`).
+
+Framing: ``u32 length`` + JSON header, then ``header["size"]`` raw bytes.
+Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import socketserver
+import struct
+import threading
+import time
+import zlib
+from datetime import timedelta
+from typing import Any
+
+from resilient.snapshot.api import SnapshotError, SnapshotIncomplete, StorageError
+from resilient.snapshot.nodestore import NodeStore, check_rel
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER = 64 << 10
+PIECE = 1 << 20
+
+
+class PeerAuthError(SnapshotError):
+    """A peer did not prove it holds the job secret (or we do not hold it).
+
+    Every node of a job must read the same secret from etcd
+    (``/resilient/<run>/secret``); check that all agents use the same run id and etcd."""
+
+
+class PeerError(StorageError):
+    """A peer could not be reached or refused a request; the reader tries another copy."""
+
+
+def job_secret(client, run_id: str) -> bytes:
+    """The job's secret: created once (create-only CAS) by the first agent, read by the others."""
+    key = f"/resilient/{run_id}/secret"
+    res = client.compare_and_swap(key, secrets.token_hex(32), mod_revision=None)
+    return bytes.fromhex(res.kv.value.decode())
+
+
+def _mac(secret: bytes, *parts: bytes) -> str:
+    return hmac.new(secret, b"|".join(parts), hashlib.sha256).hexdigest()
+
+
+def _send(sock: socket.socket, header: dict, payload: bytes | memoryview | None = None) -> None:
+    data = json.dumps(header).encode()
+    sock.sendall(struct.pack("!I", len(data)) + data)
+    if payload is not None:
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, PIECE))
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def _recv_header(sock: socket.socket) -> dict:
+    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+    if n > MAX_HEADER:
+        raise ConnectionError(f"header of {n} bytes")
+    doc = json.loads(_recv_exact(sock, n))
+    if not isinstance(doc, dict):
+        raise ConnectionError("header is not an object")
+    return doc
+
+
+# ------------------------------------------------------------------ server
+class _Handler(socketserver.BaseRequestHandler):
+    server: "_Server"
+
+    def handle(self) -> None:
+        sock, owner = self.request, self.server.owner
+        sock.settimeout(owner.io_timeout.total_seconds())
+        try:
+            if not self._auth(sock, owner.secret):
+                return
+            while True:
+                try:
+                    req = _recv_header(sock)
+                except ConnectionError:
+                    return
+                self._serve(sock, owner.store, req)
+        except (OSError, ValueError) as e:
+            log.debug("peer connection ended: %s", e)
+
+    def _auth(self, sock: socket.socket, secret: bytes) -> bool:
+        nonce = secrets.token_bytes(32)
+        _send(sock, {"nonce": nonce.hex()})
+        hello = _recv_header(sock)
+        theirs = bytes.fromhex(str(hello.get("nonce", "")))
+        if len(theirs) != 32 or not hmac.compare_digest(str(hello.get("mac", "")), _mac(secret, b"client", nonce)):
+            _send(sock, {"ok": False, "error": "authentication failed: wrong job secret"})
+            return False
+        _send(sock, {"ok": True, "mac": _mac(secret, b"server", theirs, nonce)})
+        return True
+
+    def _serve(self, sock: socket.socket, store: NodeStore, req: dict) -> None:
+        op = req.get("op")
+        try:
+            rel = check_rel(req.get("path"))
+        except ValueError as e:
+            if op == "put":  # the payload is still on the wire: the stream is unusable
+                raise ConnectionError(str(e)) from None
+            _send(sock, {"ok": False, "error": str(e)})
+            return
+        if op == "put":
+            size, crc = int(req["size"]), int(req["crc"])
+            w = store.writer(rel)
+            try:
+                left = size
+                while left:
+                    piece = _recv_exact(sock, min(left, PIECE))
+                    w.write(piece)
+                    left -= len(piece)
+                w.commit(size, crc)
+            except BaseException as e:
+                w.abort()
+                if isinstance(e, (ConnectionError, socket.timeout)):
+                    raise
+                _send(sock, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                return
+            _send(sock, {"ok": True})
+        elif op == "get":
+            try:
+                data = store.read(rel, int(req.get("offset", 0)), req.get("length"))
+            except SnapshotError as e:
+                _send(sock, {"ok": False, "error": str(e), "missing": True})
+                return
+            _send(sock, {"ok": True, "size": len(data), "crc": zlib.crc32(data) & 0xFFFFFFFF}, data)
+        else:
+            _send(sock, {"ok": False, "error": f"unknown op {op!r}"})
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    owner: "PeerServer"
+
+
+class PeerServer:
+    """Serves one node store to authenticated peers, on a free port, in daemon threads."""
+
+    def __init__(self, store: NodeStore, secret: bytes, host: str = "0.0.0.0",
+                 advertise: str = "", io_timeout: timedelta = timedelta(seconds=30)):
+        self.store, self.secret, self.io_timeout = store, secret, io_timeout
+        self._srv = _Server((host, 0), _Handler)
+        self._srv.owner = self
+        self.port = self._srv.server_address[1]
+        self.address = f"{advertise or _default_host(host)}:{self.port}"
+        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="peer-server", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._srv.shutdown()
+        self._srv.server_close()
+        self._thread.join(5)
+
+
+def _default_host(bound: str) -> str:
+    if bound not in ("0.0.0.0", "", "::"):
+        return bound
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+# ------------------------------------------------------------------ client
+class PeerClient:
+    """One authenticated connection to a peer's store. Not thread-safe: one per thread.
+
+    ``rate``: bytes/s cap for :meth:`put` (0 = unlimited), so replication
+    shares the link with training instead of saturating it."""
+
+    def __init__(self, address: str, secret: bytes, timeout: timedelta = timedelta(seconds=30),
+                 rate: float = 0.0):
+        self.address, self.rate = address, rate
+        host, _, port = address.rpartition(":")
+        try:
+            self.sock = socket.create_connection((host, int(port)), timeout=timeout.total_seconds())
+        except OSError as e:
+            raise PeerError(f"peer {address}: cannot connect ({e})", address) from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            hello = _recv_header(self.sock)
+            nonce = bytes.fromhex(hello["nonce"])
+            mine = secrets.token_bytes(32)
+            _send(self.sock, {"mac": _mac(secret, b"client", nonce), "nonce": mine.hex()})
+            reply = _recv_header(self.sock)
+        except (OSError, ValueError, KeyError) as e:
+            self.close()
+            raise PeerError(f"peer {address}: handshake failed ({e})", address) from None
+        if not reply.get("ok") or not hmac.compare_digest(str(reply.get("mac", "")),
+                                                          _mac(secret, b"server", mine, nonce)):
+            self.close()
+            raise PeerAuthError(f"peer {address}: mutual authentication failed "
+                                f"({reply.get('error', 'the server does not hold the job secret')})", address)
+
+    def put(self, rel: str, data: bytes | memoryview) -> None:
+        """Store ``data`` as ``rel`` on the peer, atomically; raises :class:`PeerError`."""
+        t0 = time.monotonic()
+        try:
+            _send(self.sock, {"op": "put", "path": rel, "size": len(data), "crc": zlib.crc32(data) & 0xFFFFFFFF})
+            view = memoryview(data)
+            for i in range(0, len(view), PIECE):
+                self.sock.sendall(view[i:i + PIECE])
+                if self.rate > 0:
+                    ahead = (i + PIECE) / self.rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            reply = _recv_header(self.sock)
+        except (OSError, ValueError) as e:
+            raise PeerError(f"peer {self.address}: put {rel} failed ({e})", self.address) from None
+        if not reply.get("ok"):
+            raise PeerError(f"peer {self.address}: put {rel} refused: {reply.get('error')}", self.address)
+
+    def get(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes of ``rel`` on the peer; transfer CRC checked. :class:`SnapshotIncomplete` if it lacks it."""
+        try:
+            _send(self.sock, {"op": "get", "path": rel, "offset": offset, "length": length})
+            reply = _recv_header(self.sock)
+            if not reply.get("ok"):
+                if reply.get("missing"):
+                    raise SnapshotIncomplete(f"peer {self.address}: {reply.get('error')}", f"{self.address}/{rel}")
+                raise PeerError(f"peer {self.address}: get {rel} refused: {reply.get('error')}", self.address)
+            data = _recv_exact(self.sock, int(reply["size"]))
+        except (OSError, ValueError, KeyError) as e:
+            raise PeerError(f"peer {self.address}: get {rel} failed ({e})", self.address) from None
+        if zlib.crc32(data) & 0xFFFFFFFF != int(reply["crc"]):
+            raise PeerError(f"peer {self.address}: {rel} damaged in transit (transfer CRC mismatch)", self.address)
+        return data
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "PeerClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def peer_order(me: str, nodes: dict[str, dict], k: int) -> list[str]:
+    """Deterministic replica targets for node ``me``: up to ``k`` other nodes, the next ones
+    in sorted ring order whose failure domain differs from ours, then any other node."""
+    ring = sorted(nodes)
+    if me in ring:
+        i = ring.index(me)
+        ring = ring[i + 1:] + ring[:i]
+    mine = nodes.get(me, {}).get("domain", me)
+    other = [n for n in ring if nodes[n].get("domain", n) != mine]
+    same = [n for n in ring if n not in other]
+    return (other + same)[:max(0, k)]

@@ -1,0 +1,264 @@
+"""Tiered restore: local RAM, then peer RAM, then durable storage.
+
+What a worker under ``resilient launch`` restores from, after any membership
+change. Rank 0 reads etcd once: the memory commit records (see
+:mod:`.memcommit`: tier ``local`` or ``memory``, each with the holders of
+every rank's files) and the live nodes (with their store addresses). A
+memory version is a candidate when every rank it was written by still has a
+live holder. The durable tier's complete versions are candidates too. The
+list, newest step first (memory before durable at the same step), goes to all
+ranks as JSON bytes in one broadcast, and :func:`restore_candidates` stages
+the first one every rank can read.
+
+Within a memory version, :class:`MemoryReader` builds the global manifest
+from the rank manifests and reads each chunk's byte range from its holders in
+order: this node's store first (a file read), then peers (a range ``get``
+over the authenticated channel). A copy whose CRC does not match is reported
+(``restore_fallback`` with ``holder`` and ``copy_skipped: true``) and the
+next holder is tried; bad bytes never reach the model. ``served_tier()``
+says which tier served this rank: ``local`` if every byte came from its own
+node, else ``peer``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilient.snapshot.api import Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
+from resilient.snapshot.durable import emit, merge_rank_manifests
+from resilient.snapshot.format import manifest_from_json, verify, version_dir
+from resilient.snapshot.nodestore import NodeStore, rank_of
+from resilient.snapshot.peer import PeerClient, PeerError
+from resilient.snapshot.reader import SnapshotReader, decode_chunk
+
+STORE_ENV = "RESILIENT_STORE"
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """What the agent tells its workers about the node store (env ``RESILIENT_STORE``, JSON)."""
+
+    base: str
+    run_id: str
+    node: str
+    etcd: str
+    secret_file: str
+
+    @classmethod
+    def from_env(cls) -> "StoreInfo | None":
+        raw = os.environ.get(STORE_ENV)
+        return cls(**json.loads(raw)) if raw else None
+
+    def to_env(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @property
+    def store(self) -> NodeStore:
+        return NodeStore(self.base, self.run_id, self.node)
+
+    def secret(self) -> bytes:
+        return bytes.fromhex(Path(self.secret_file).read_text().strip())
+
+
+# ------------------------------------------------------------------ candidates
+def memory_plan(info: StoreInfo, limit: int = 4) -> list[dict]:
+    """Rank 0: memory versions restorable from live holders, newest first (JSON-able)."""
+    from resilient.etcd import EtcdClient
+
+    with EtcdClient(info.etcd, retry_timeout=timedelta(seconds=10)) as client:
+        live = {}
+        for kv in client.get_prefix(f"/resilient/{info.run_id}/nodes/"):
+            try:
+                doc = json.loads(kv.value)
+                live[doc["node"]] = doc
+            except (ValueError, KeyError, TypeError):
+                continue
+        records: dict[int, dict] = {}
+        for kv in client.get_prefix(f"/resilient/{info.run_id}/commit/"):
+            try:
+                rec = json.loads(kv.value)
+                step = int(rec["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            have = records.get(step)
+            if have is None or have["attempt"] != rec["attempt"]:
+                if have is None or rec.get("k", 0) >= have.get("k", 0):
+                    records[step] = rec
+                continue
+            for r, h in rec["holders"].items():  # same version, both tiers: union of holders
+                have["holders"][r] = have["holders"].get(r, []) + [n for n in h if n not in have["holders"].get(r, [])]
+    plan = []
+    for step in sorted(records, reverse=True):
+        rec = records[step]
+        # A holder counts if it is alive *and* is the same incarnation: an agent started after
+        # the commit (a restarted node, same name) has a fresh, empty store.
+        born = float(rec.get("time", float("inf")))
+        holders = {r: [n for n in h if n in live and float(live[n].get("since", 0)) <= born]
+                   for r, h in rec["holders"].items()}
+        if len(holders) < rec["world"] or any(not holders.get(str(r)) for r in range(rec["world"])):
+            continue
+        peers = {n: live[n].get("store", "") for h in holders.values() for n in h}
+        plan.append({"step": step, "attempt": rec["attempt"], "world": rec["world"],
+                     "holders": holders, "peers": peers})
+        if len(plan) >= limit:
+            break
+    return plan
+
+
+def forget_after(info: StoreInfo, step: int) -> None:
+    """Rank 0, after restoring ``step``: drop commit records of later steps (a rollback),
+    so a version of the abandoned future is never restored later."""
+    import base64
+
+    from resilient.etcd import EtcdClient
+
+    ops = []
+    for tier in ("local", "memory"):
+        lo = f"/resilient/{info.run_id}/commit/{tier}/{step + 1:012d}"
+        hi = f"/resilient/{info.run_id}/commit/{tier}/~"
+        ops.append({"request_delete_range": {"key": base64.b64encode(lo.encode()).decode(),
+                                             "range_end": base64.b64encode(hi.encode()).decode()}})
+    with EtcdClient(info.etcd, retry_timeout=timedelta(seconds=10)) as client:
+        client.txn([], ops, [])
+
+
+def broadcast_json(value: Any) -> Any:
+    """Rank 0's JSON value on every rank (as bytes in a tensor: nothing is unpickled)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    dist.broadcast(n, 0)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
+    if dist.get_rank() == 0:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, 0)
+    return json.loads(bytes(buf.cpu().numpy()))
+
+
+# ------------------------------------------------------------------ reader
+class MemoryReader:
+    """Reads one memory-committed version from the holders' node stores (duck-types SnapshotReader)."""
+
+    threads = 4
+
+    def __init__(self, plan: dict, info: StoreInfo, secret: bytes, events: Any = None,
+                 timeout: timedelta = timedelta(seconds=30)):
+        self.plan, self.info, self.secret, self.events, self.timeout = plan, info, secret, events, timeout
+        self.url = f"memory://{info.run_id}/step-{plan['step']}"
+        self.store = info.store
+        self._local = threading.local()
+        self._clients: list[PeerClient] = []
+        self._lock = threading.Lock()
+        self._peer_bytes = 0
+        self._manifest: Manifest | None = None
+
+    def manifest_path(self, step: int) -> str:
+        return f"{self.url}/manifest"
+
+    def served_tier(self) -> str:
+        return "peer" if self._peer_bytes else "local"
+
+    def _holders(self, rank: int) -> list[str]:
+        hs = self.plan["holders"].get(str(rank), [])
+        return sorted(hs, key=lambda n: (n != self.info.node, n))
+
+    def _fetch(self, holder: str, rel: str, offset: int = 0, length: int | None = None) -> bytes:
+        if holder == self.info.node:
+            return self.store.read(rel, offset, length)
+        clients = getattr(self._local, "clients", None)
+        if clients is None:
+            clients = self._local.clients = {}
+        c = clients.get(holder)
+        if c is None:
+            c = clients[holder] = PeerClient(self.plan["peers"][holder], self.secret, self.timeout)
+            with self._lock:
+                self._clients.append(c)
+        try:
+            data = c.get(rel, offset, length)
+        except PeerError:
+            clients.pop(holder, None)
+            raise
+        with self._lock:
+            self._peer_bytes += len(data)
+        return data
+
+    def _from_holders(self, rank: int, rel: str, check, offset: int = 0, length: int | None = None) -> Any:
+        """``check(bytes)`` on the first holder's copy that passes; bad copies are reported and skipped."""
+        last: SnapshotError | None = None
+        for holder in self._holders(rank):
+            try:
+                return check(self._fetch(holder, rel, offset, length))
+            except SnapshotCorrupt as e:
+                emit(self.events, "restore_fallback", step=self.plan["step"], url=self.url, error=str(e),
+                     error_type=type(e).__name__, obj=f"{holder}:{rel}", holder=holder, copy_skipped=True,
+                     tier="local" if holder == self.info.node else "peer")
+                last = e
+            except (SnapshotError, OSError) as e:
+                last = e if isinstance(e, SnapshotError) else SnapshotIncomplete(str(e), rel)
+        raise last or SnapshotIncomplete(f"{self.url}: no live holder of rank {rank}", rel)
+
+    def manifest(self, step: int) -> Manifest:
+        if self._manifest is None:
+            vdir, att = version_dir(step), self.plan["attempt"]
+            parts = []
+            for r in range(self.plan["world"]):
+                rel = f"{vdir}/{att}/r{r:05d}.json"
+                parts.append(self._from_holders(r, rel, lambda b, rel=rel: manifest_from_json(b, rel)))
+            self._manifest = merge_rank_manifests(parts, self.url)
+        return self._manifest
+
+    def read_chunk(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord) -> torch.Tensor:
+        rel = f"{version_dir(manifest.step)}/{chunk.object}"
+        where = f"{self.url}/{chunk.object}@{chunk.offset}+{chunk.length} ({tensor.name})"
+
+        def check(data: bytes) -> torch.Tensor:
+            verify(data, chunk.checksum, where)
+            return decode_chunk(data, tensor, chunk, where)
+
+        return self._from_holders(rank_of(rel), rel, check, chunk.offset, chunk.length)
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._clients:
+                c.close()
+            self._clients.clear()
+
+
+def tiered_candidates(info: StoreInfo | None, durable: SnapshotReader | None, events: Any,
+                      secret: bytes | None) -> tuple[list[tuple[int, Any, str]], list[MemoryReader]]:
+    """The same ``(step, reader, tier)`` list on every rank: memory versions and durable ones,
+    newest step first, memory before durable at one step. Collective."""
+    doc = None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        mem = []
+        if info is not None:
+            try:
+                mem = memory_plan(info)
+            except Exception as e:  # etcd down: the durable tier still works
+                emit(events, "restore_fallback", step=-1, url=f"memory://{info.run_id}", tier="memory",
+                     error=f"cannot read memory commit records: {e}", error_type=type(e).__name__, obj=None)
+        steps = []
+        if durable is not None:
+            try:
+                steps = durable.complete_steps()
+            except SnapshotError as e:
+                emit(events, "restore_fallback", step=-1, url=durable.url, tier="durable", error=str(e),
+                     error_type=type(e).__name__, obj=e.obj)
+        doc = {"memory": mem, "durable": steps}
+    doc = broadcast_json(doc)
+    readers = [MemoryReader(p, info, secret, events) for p in doc["memory"]] if info is not None else []
+    out = [(r.plan["step"], r, "memory") for r in readers]
+    out += [(s, durable, "durable") for s in doc["durable"]]
+    out.sort(key=lambda c: (-c[0], c[2] != "memory"))
+    return out, readers

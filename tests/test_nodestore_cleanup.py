@@ -1,0 +1,40 @@
+"""No node store outlives its job: a store whose owner was killed with SIGKILL is
+reclaimed by the next start of the same job; a live owner's store is left alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from resilient.snapshot.nodestore import NodeStore, job_dir, reclaim
+
+OWNER = """
+import sys, time
+from resilient.snapshot.nodestore import NodeStore
+s = NodeStore(sys.argv[1], "job", sys.argv[2]); s.create()
+w = s.writer("step-000000000001/abc-000000/r00000.json"); w.write(b"{}"); w.commit(2, __import__("zlib").crc32(b"{}"))
+print("ready", flush=True); time.sleep(120)
+"""
+
+
+def _owner(base, node):
+    p = subprocess.Popen([sys.executable, "-c", OWNER, str(base), node], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_killed_owner_is_reclaimed_live_owner_kept(tmp_path):
+    dead, live = _owner(tmp_path, "dead"), _owner(tmp_path, "live")
+    try:
+        dead.kill()
+        dead.wait(10)
+        assert sorted(p.name for p in job_dir(tmp_path, "job").iterdir()) == ["dead", "live"]
+        me = NodeStore(tmp_path, "job", "me")
+        assert me.create() == ["dead"]
+        assert sorted(p.name for p in job_dir(tmp_path, "job").iterdir()) == ["live", "me"]
+        me.remove()
+    finally:
+        live.kill()
+        live.wait(10)
+    assert reclaim(tmp_path, "job") == ["live"]
+    assert not job_dir(tmp_path, "job").exists()

@@ -1,0 +1,204 @@
+"""``ckpt import``: bring a safetensors file, a torch checkpoint or a DCP folder into our format.
+
+Nothing arbitrary is ever unpickled:
+
+- ``torch``: ``torch.load(weights_only=True, mmap=True)`` (tensors, dicts,
+  lists and plain values only; memory-mapped, so tensors page in as they are
+  written; a legacy non-zip file cannot be mapped and is loaded whole).
+- ``torch-dcp``: DCP's ``.metadata`` is a pickle; it is read with an
+  unpickler that only admits ``torch.distributed.checkpoint`` metadata
+  classes, ``torch.Size`` and dtypes; tensors are then loaded one at a time
+  with ``dcp.load`` (no process group): memory is the largest tensor.
+- ``safetensors``: header parsed by the package; tensors read in row blocks.
+
+Names: ``model/``/``optim/`` prefixed names are kept; other names become
+``model/<name>``; DCP's ``model.X`` / ``optim.state.P.K`` become ``model/X`` /
+``optim/state/P/K``. Non-tensor entries become manifest ``values`` when
+they are JSON.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from resilient.snapshot.boxes import Box
+from resilient.snapshot.flatten import split_state
+
+from resilient_tools.blocks import itemsize, row_blocks
+from resilient_tools.errors import ConvertError
+from resilient_tools.progress import Progress
+from resilient_tools.writer import VersionWriter
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+              "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+
+
+def our_name(name: str) -> str:
+    return name if name.startswith(("model/", "optim/")) else f"model/{name}"
+
+
+def _write_tensor(w: VersionWriter, name: str, t: torch.Tensor, block_bytes: int, bar: Progress) -> None:
+    w.add_tensor(name, tuple(t.shape), t.dtype)
+    for box in row_blocks(tuple(t.shape), itemsize(t.dtype), block_bytes):
+        w.write(name, box, t[box.slices_within(Box((0,) * t.dim(), tuple(t.shape)))])
+        bar.advance(box.numel * itemsize(t.dtype))
+
+
+def from_safetensors(path: str, w: VersionWriter, block_bytes: int, progress: bool) -> int:
+    from safetensors import safe_open
+    local = path.removeprefix("file://")
+    with safe_open(local, framework="pt") as f:
+        keys = list(f.keys())
+        metas = []
+        for k in keys:
+            sl = f.get_slice(k)
+            dtype = _ST_DTYPES.get(sl.get_dtype())
+            if dtype is None:
+                raise ConvertError(f"{path}: tensor {k!r} has dtype {sl.get_dtype()} which the format cannot store")
+            metas.append((k, tuple(sl.get_shape()), dtype))
+        bar = Progress(f"import {os.path.basename(local)}", sum(_nbytes(s, d) for _, s, d in metas), progress)
+        for k, shape, dtype in metas:
+            name = our_name(k)
+            w.add_tensor(name, shape, dtype)
+            sl = f.get_slice(k)
+            if not shape:
+                w.write(name, Box((), ()), f.get_tensor(k))
+                bar.advance(itemsize(dtype))
+                continue
+            row = max(1, block_bytes // max(1, _nbytes(shape[1:], dtype)))
+            for r in range(0, shape[0], row):
+                n = min(row, shape[0] - r)
+                w.write(name, Box((r,) + (0,) * (len(shape) - 1), (n,) + shape[1:]), sl[r:r + n])
+                bar.advance(_nbytes((n,) + shape[1:], dtype))
+    bar.close()
+    return len(keys)
+
+
+def _nbytes(shape, dtype) -> int:
+    n = itemsize(dtype)
+    for s in shape:
+        n *= s
+    return n
+
+
+def from_torch(path: str, w: VersionWriter, block_bytes: int, progress: bool) -> int:
+    local = path.removeprefix("file://")
+    try:
+        obj = torch.load(local, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise ConvertError(f"{path}: not a loadable torch checkpoint ({e})") from None
+        obj = torch.load(local, map_location="cpu", weights_only=True)  # legacy format: cannot be mapped
+    except pickle.UnpicklingError as e:
+        raise ConvertError(f"{path}: holds objects beyond tensors and plain containers, which are never "
+                           f"unpickled here ({str(e).splitlines()[0]}); re-save it as a dict of tensors") from None
+    if isinstance(obj, torch.Tensor) or not isinstance(obj, dict):
+        raise ConvertError(f"{path}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
+    if all(isinstance(v, torch.Tensor) for v in obj.values()):  # a flat state dict (what convert writes)
+        tensors, values = {our_name(str(k)): v for k, v in obj.items()}, {}
+    else:
+        if not (set(obj) & {"model", "optim"}):
+            obj = {"model": obj}
+        try:
+            tensors, values = split_state(obj)
+        except TypeError as e:
+            raise ConvertError(f"{path}: {e}") from None
+    w.manifest.values.update(values)
+    bar = Progress(f"import {os.path.basename(local)}", sum(t.numel() * t.element_size() for t in tensors.values()),
+                   progress)
+    for name, t in tensors.items():
+        _write_tensor(w, name, t, block_bytes, bar)
+    bar.close()
+    return len(tensors)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what DCP metadata is made of: its own dataclasses, torch.Size, dtypes, layouts, memory formats."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
+                ("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "StorageType"), ("torch.serialization", "_get_layout"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                ("pathlib", "PureWindowsPath")):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not DCP metadata; "
+                                     "refusing to unpickle it")
+
+
+def read_dcp_metadata(folder: str):
+    path = os.path.join(folder, ".metadata")
+    if not os.path.exists(path):
+        raise ConvertError(f"{folder}: no .metadata; not a torch.distributed.checkpoint folder")
+    with open(path, "rb") as f:
+        try:
+            return _MetadataUnpickler(io.BytesIO(f.read())).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError) as e:
+            raise ConvertError(f"{path}: unreadable DCP metadata ({e})") from None
+
+
+def _from_dcp_name(key: str) -> str:
+    if key.startswith("optim.state."):
+        rest = key[len("optim.state."):]
+        param, _, k = rest.rpartition(".")
+        return f"optim/state/{param}/{k}"
+    if key.startswith("model."):
+        return f"model/{key[len('model.'):]}"
+    return our_name(key)
+
+
+def from_dcp(path: str, w: VersionWriter, block_bytes: int, progress: bool) -> int:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    folder = path.removeprefix("file://")
+    meta = read_dcp_metadata(folder)
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            return meta
+
+    items = [(k, v) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+    skipped = [k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    bar = Progress(f"import {folder}", sum(_nbytes(v.size, v.properties.dtype) for _, v in items), progress)
+    for key, v in items:
+        t = torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load({key: t}, storage_reader=SafeReader(folder))
+        _write_tensor(w, _from_dcp_name(key), t, block_bytes, bar)
+        del t
+    bar.close()
+    if skipped:
+        w.manifest.values["import/skipped_non_tensor"] = skipped
+    return len(items)
+
+
+def import_checkpoint(src: str, out: str, fmt: str, *, step: int = 0, block_bytes: int = 32 << 20,
+                      compress: str = "auto", progress: bool = True) -> tuple[str, int]:
+    """Import ``src`` (format ``fmt``) as version ``step`` under ``out``; returns (version URL, tensors)."""
+    fn = {"safetensors": from_safetensors, "torch": from_torch, "torch-dcp": from_dcp}.get(fmt)
+    if fn is None:
+        raise ConvertError(f"unknown import format {fmt!r}; use safetensors, torch or torch-dcp")
+    if not os.path.exists(src.removeprefix("file://")):
+        from resilient_tools.errors import BadUrl
+        raise BadUrl(f"{src}: no such file or folder to import (import reads local files)")
+    w = VersionWriter(out, step, layout={"world": 1, "imported_from": fmt}, compress=compress,
+                      extra={"imported_from": os.path.abspath(src.removeprefix("file://")), "format": fmt})
+    try:
+        n = fn(src, w, block_bytes, progress)
+        url = w.commit()
+    except BaseException:
+        w.abort()
+        raise
+    return url, n
