@@ -34,10 +34,12 @@ def run(quick: bool) -> dict:
             tiers[name] = sorted({str(r["tier"]) for r in rs})
     finally:
         drop_dir(root)
+    ratios = {k: {"value": f["median"], "unit": " steps", "better": "lower",
+                  "label": f"steps redone per failure (median), {f['label']}"} for k, f in figures.items()}
     ram = figures["ram_every_step"]["max"]
     goals = [goal("at most one step lost per failure with per-step RAM snapshots (DESIGN)", ram is not None and ram <= 1,
                   f"max {ram} steps redone")]
     notes = [f"{kills} kills per interval (kill -9 of local rank 1), one job each; lost = last step logged before "
              "the kill − the step restored.", f"restore tiers seen: {tiers}.",
              "Commands (RUN = a temp dir): " + "; ".join(f"{k}: `{v}`" for k, v in cmds.items())]
-    return row("Lost work per failure vs snapshot interval", figures, {}, goals, notes)
+    return row("Lost work per failure vs snapshot interval", figures, ratios, goals, notes)

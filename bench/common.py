@@ -192,10 +192,27 @@ class Job:
         return wait_for(ready, timeout, f"{n} steps in {self.run_dir}")
 
     def close(self) -> None:
+        """Kill the job's process group and every descendant: torchrun puts its workers in
+        sessions of their own, so killing the group alone leaves them training."""
+        import psutil
+
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for k in kids:
+            try:
+                k.kill()
+            except psutil.Error:
+                pass
+        # A node store killed with its agent stays in tmpfs (by design: it outlives workers).
+        for e in self.events("agent_start"):
+            if e.get("run_id"):
+                drop_dir(Path("/dev/shm") / f"resilient-{e['run_id']}")
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:

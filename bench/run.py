@@ -38,8 +38,9 @@ ORDER = ["stall", "durable", "restore", "ckpt", "overhead", "recovery", "lostwor
 PLANNED = {
     "recovery_node": "Recovery after kill -9 of a whole node, from peer RAM: pending the peer RAM tier landing "
                      "in `resilient launch` (bench/memory_tiers.py by the tiers' engineer measures it by hand meanwhile).",
-    "sdc": "SDC detection rate / false positives / check overhead: pending the [sdc] config section and its "
-           "wiring into the training loop (issue 7).",
+    "sdc": "SDC detection rate by bit position and tensor kind, time to detection, false positives over "
+           "≥1000 clean steps (issue 7): pending a bench module from the SDC work; the checks' per-step "
+           "overhead is in the overhead row.",
     "chaos": "Chaos soak (faults survived, steps lost, recovery by fault kind): pending `resilient chaos run` reports.",
 }
 
@@ -141,7 +142,8 @@ def render(results: dict[str, dict]) -> str:
         first = True
         for rt in ratios or [{"label": "–", "value": None}]:
             gcell = "; ".join(_goal_cell(g) for g in goals) if first else ""
-            val = "–" if rt.get("value") is None else f"{rt['value']}x ({rt.get('better', 'lower')} is better)"
+            unit = rt.get("unit", "x")
+            val = "–" if rt.get("value") is None else f"{rt['value']}{unit} ({rt.get('better', 'lower')} is better)"
             out.append(f"| {name if first else ''} | {rt['label']} | {val} | {gcell} | {r['date'] if first else ''} |")
             first = False
     for name, why in PLANNED.items():
@@ -161,14 +163,25 @@ def render(results: dict[str, dict]) -> str:
             out += [f"| {f.get('label') or k} | {_fmt(f)} |" for k, f in r["figures"].items()]
         if r.get("ratios"):
             out += ["", "| ratio | value |", "| --- | --- |"]
-            out += [f"| {rt['label']} | {'–' if rt['value'] is None else str(rt['value']) + 'x'} |"
+            out += [f"| {rt['label']} | {'–' if rt['value'] is None else str(rt['value']) + rt.get('unit', 'x')} |"
                     for rt in r["ratios"].values()]
         for p in r.get("png", []):
             out += ["", f"![{name}](results/{p})"]
     for name, why in PLANNED.items():
         if name not in results:
             out += ["", f"## {name}: pending", "", f"- {why}"]
-    return "\n".join(out) + "\n"
+    return _portable("\n".join(out) + "\n")
+
+
+def _portable(text: str) -> str:
+    """Commands as anyone can paste them: temp run dirs → RUN, the home directory → ~."""
+    import os
+    import re
+    import tempfile
+
+    tmp = re.escape(tempfile.gettempdir())
+    text = re.sub(tmp + r"/bench-[a-z]+-[A-Za-z0-9_]+/[A-Za-z0-9_-]+", "RUN", text)
+    return text.replace(os.path.expanduser("~") + "/", "~/")
 
 
 def load_all() -> dict[str, dict]:

@@ -137,6 +137,20 @@ def kill_tree(proc: subprocess.Popen, timeout: timedelta = KILL_WAIT) -> None:
     psutil.wait_procs(family, timeout=timeout.total_seconds())
 
 
+def _term_with_parent() -> None:
+    """In the agent, before exec: SIGTERM it when the runner dies, even by
+    SIGKILL (Linux PR_SET_PDEATHSIG), so a killed campaign leaves no job
+    behind (the agent then stops its workers and removes its node store).
+    The signal follows the *thread* that started the agent: agents are
+    started from the runner's main thread, or from the fault driver's
+    thread (scale-up), which lives until the job is stopped anyway."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
 def _quiet(fn: Any) -> Any:
     with contextlib.suppress(psutil.Error):
         return fn()
@@ -193,6 +207,7 @@ class LocalJob:
         self.procs: dict[int, subprocess.Popen] = {}
         self.launches: dict[int, int] = {}
         self.launched_at: dict[int, float] = {}
+        self.agent_pids: dict[int, str] = {}  # every agent pid launched -> its node id
         self._logs: list[Any] = []
         self.shm_seen: dict[int, set[str]] = {}
         self.pids_seen: dict[int, float] = {}  # pid -> create time, of every process seen in a node's tree
@@ -226,9 +241,10 @@ class LocalJob:
         self._logs.append(log)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+                                start_new_session=True, env=env, preexec_fn=_term_with_parent)
         self.procs[n] = proc
         self.launched_at[n] = time.time()
+        self.agent_pids[proc.pid] = self.node_id(n)
         return proc
 
     def start(self, formed_timeout: timedelta = timedelta(minutes=3)) -> "LocalJob":

@@ -69,6 +69,7 @@ class RunOutcome:
         self.final: FinalState | None = None
         self.exit_codes: dict[str, int | None] = {}
         self.launched_at: dict[str, float] = {}
+        self.agent_pids: dict[int, str] = {}
         self.ports: list[int] = []
         self.shm: list[str] = []
         self.shm_prefix: str | None = None
@@ -124,6 +125,7 @@ def _run_job(sc: Scenario, run_dir: Path, overrides: list[str], *, spares: int, 
                         out.records = driver.stop()
                 out.exit_codes = job.exit_codes()
                 out.launched_at = {job.node_id(n): t for n, t in job.launched_at.items()}
+                out.agent_pids = dict(job.agent_pids)
         finally:
             out.shm_prefix, out.shm_dir = job.shm_prefix, str(job.store_dir)
             out.shm = [p for p in job.all_shm() if not Path(p).name.startswith(job.shm_prefix)]
@@ -157,8 +159,15 @@ def _job_ended(outcome: RunOutcome, sc: Scenario) -> PropertyResult:
     """The job ended by itself within the budget and every agent exited 0,
     except those a node-ending fault hit after their last start (a soak
     without a last step may instead run into its budget)."""
-    hit = {f"n{r.target.split(':')[1]}": r.injected_at or 0.0 for r in outcome.records
-           if r.kind in NODE_ENDING and r.status in ("injected", "cleared") and r.target.startswith("node:") and r.target[5:].isdigit()}
+    hit: dict[str, float] = {}
+    for r in outcome.records:
+        if r.kind in NODE_ENDING and r.status in ("injected", "cleared"):
+            # node:N is a seat, not an agent: the agents hit are those whose pid the injector signalled.
+            for pid in r.pids:
+                if pid in outcome.agent_pids:
+                    hit[outcome.agent_pids[pid]] = max(hit.get(outcome.agent_pids[pid], 0.0), r.injected_at or 0.0)
+            if r.kind == "scale-down" and r.target[5:].isdigit():  # scale faults name agents
+                hit[f"n{r.target[5:]}"] = r.injected_at or 0.0
     codes = {n: c for n, c in outcome.exit_codes.items() if not (n in hit and hit[n] >= outcome.launched_at.get(n, 0.0))}
     late = _failures_after_end(outcome.run_dir)
     clean = outcome.how == "finished" and all(c == 0 for c in codes.values()) and not late

@@ -146,6 +146,7 @@ def launch(args: argparse.Namespace) -> int:
     from resilient.agent.agent import ResilientAgent
     from resilient.agent.api import AgentSettings
     from resilient.agent.membership import NodeRegistry
+    from resilient.agent.quarantine import Quarantine
     from resilient.events import EventLog
     from resilient.rendezvous import client_from_params, register
 
@@ -169,6 +170,7 @@ def launch(args: argparse.Namespace) -> int:
         handler = rendezvous_handler_registry.create_handler(params)
         client = client_from_params(params)
         registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
+        Quarantine(client, run_id).refuse_if_quarantined(node, endpoint)
         registry.register()
         settings = AgentSettings(
             node_id=node, run_dir=str(run_dir), min_nodes=min_nodes, max_nodes=max_nodes,
@@ -198,6 +200,9 @@ def launch(args: argparse.Namespace) -> int:
             client.close()
         if result is None:  # the rendezvous was closed: the job ended elsewhere
             return 0
+        if agent.quarantined:
+            raise LaunchError(f"node {node!r} was quarantined: one of its devices computed wrong answers "
+                              f"(see the sdc_* events in {run_dir / 'events.jsonl'}); the other nodes go on without it")
         if result.is_failed():
             first = next(iter(result.failures.values()), None)
             raise LaunchError(f"training failed after {lc.max_restarts} restarts"

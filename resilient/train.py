@@ -218,12 +218,14 @@ class Trainer:
         step was saved (the check runs before its optimizer step), so the
         newest complete version is clean. Load it and train on from there."""
         self.optimizer.zero_grad()
-        if decision.action is Action.QUARANTINE and self.rank in decision.quarantine:
-            # A bad device: leave with the exit code that tells the agent to
-            # quarantine this node; the others re-form without it and restore.
-            self.events.emit("quarantine", step=self.step + 1, suspect_rank=self.rank,
-                             device=decision.devices.get(self.rank, ""), reason="persistent fault")
-            raise SystemExit(QUARANTINE_EXIT)
+        if decision.action is Action.QUARANTINE:
+            # A bad device: its worker leaves with the exit code that tells its
+            # agent to quarantine the node; everyone else leaves too, so the
+            # agents re-form without that node (a spare takes its place) and
+            # every rank restores the last clean version.
+            if self.rank in decision.quarantine:
+                raise SystemExit(QUARANTINE_EXIT)
+            raise SystemExit(1)
         self.state.wait_idle()
         restored = self.state.restore()
         self.step = restored.step if restored is not None else 0

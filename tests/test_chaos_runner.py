@@ -22,7 +22,7 @@ from resilient_chaos.hooks import WorkerHooks
 # importing torch on 2 shared cores — dominates a campaign's time).
 TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=16", "train.seq_len=16",
         "train.global_batch=4", "train.warmup_steps=2", "train.eval_every=0", "train.log_every=5",
-        "snapshot.every=1", "snapshot.durable_every=1", "launch.heartbeat_timeout=10", "launch.preemption_grace=5",
+        "snapshot.every=1", "snapshot.durable_every=1", "launch.heartbeat_timeout=30", "launch.preemption_grace=5",
         # The durable tier only: this tests the harness, not the RAM tiers (the
         # shipped kill-worker/kill-node scenarios do), and it is the simplest path.
         "snapshot.memory=false"]
@@ -33,7 +33,7 @@ def scenario(tmp_path: Path, name: str, steps: int, extra: list[str] = (), refer
     text = f"""
 name = "{name}"
 seed = 7
-budget_seconds = 240
+budget_seconds = 300
 [topology]
 nodes = 2
 workers_per_node = 1
@@ -54,11 +54,18 @@ recovery_bound_seconds = 90
     return path
 
 
-def run_chaos(*args: str, timeout: timedelta = timedelta(seconds=280)) -> subprocess.CompletedProcess:
-    """``resilient chaos ...`` through the runner's main, as the CLI calls it."""
+def run_chaos(*args: str, timeout: timedelta = timedelta(minutes=8)) -> subprocess.CompletedProcess:
+    """``resilient chaos ...`` through the runner's main, as the CLI calls it.
+    On timeout the runner gets SIGTERM first, so it stops what it started."""
     code = "import sys; from resilient_chaos.runner import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout.total_seconds())
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout.total_seconds())
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=timedelta(minutes=1).total_seconds())
+        raise AssertionError(f"chaos {' '.join(args)} still running after {timeout}:\n{out}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def results(out: Path) -> dict:
@@ -66,6 +73,7 @@ def results(out: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two jobs back to back; minutes on a loaded 2-core machine
 def test_campaign_passes_end_to_end(tmp_path):
     out = tmp_path / "out"
     proc = run_chaos("run", str(scenario(tmp_path, "e2e-kill-worker", steps=12)), "--out", str(out))
@@ -86,6 +94,7 @@ def test_campaign_passes_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # minutes on a loaded 2-core machine
 def test_broken_restore_fails_the_campaign(tmp_path):
     """snapshot.resume=false: the restarted workers retrain from step 0
     although steps were committed; the run still 'finishes', and the

@@ -38,3 +38,14 @@ def test_killed_owner_is_reclaimed_live_owner_kept(tmp_path):
         live.wait(10)
     assert reclaim(tmp_path, "job") == ["live"]
     assert not job_dir(tmp_path, "job").exists()
+
+
+def test_dead_trees_of_other_jobs_are_reclaimed_foreign_dirs_kept(tmp_path):
+    dead = _owner(tmp_path, "x")  # a job ("job") that will never start again here
+    dead.kill()
+    dead.wait(10)
+    foreign = tmp_path / "resilient-something" / "data"
+    foreign.mkdir(parents=True)  # no owner.json: not a node store, not ours to delete
+    NodeStore(tmp_path, "another-job", "n0").create()
+    assert not job_dir(tmp_path, "job").exists()
+    assert foreign.exists()

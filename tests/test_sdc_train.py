@@ -46,3 +46,34 @@ def test_parameter_flip_rolls_back(corpus, tmp_path, reference):
     (rollback,) = [e for e in events(run, "rollback") if e["rank"] == 0]
     assert rollback["to_step"] == 3
     assert digests(run) == digests(reference)
+
+
+@pytest.mark.timeout(900)
+def test_persistent_fault_quarantines_the_node_and_a_spare_takes_over(corpus, tmp_path):
+    from launchutil import Agent, wait_for
+    from resilient.etcd.testing import embedded_etcd
+
+    run = tmp_path / "persistent"
+    run.mkdir()
+    steps = 8
+    over = tiny_overrides(corpus, steps, **{"snapshot.durable_every": 1}) + [
+        'sdc.inject=[{target="grad", tensor="layers.1.attention.wq.weight", bit=30, rank=1, step=3, persistent=true}]']
+    with embedded_etcd() as etcd:
+        agents = {n: Agent(DEMO, run, over, n, nnodes="2:2", endpoint=etcd.endpoint, nproc=1) for n in ("a", "b")}
+        try:
+            wait_for(lambda: events(run, "rendezvous"), 180, "the first round")
+            agents["c"] = Agent(DEMO, run, over, "c", nnodes="2:2", endpoint=etcd.endpoint, nproc=1)  # the spare
+            (q,) = wait_for(lambda: [e for e in events(run, "quarantine") if e["rank"] == -1], 400, "a quarantine")
+            bad = q["node"]
+            assert agents[bad].wait(60) != 0
+            assert [v["verdict"] for v in events(run, "sdc_verdict")][:1] == ["persistent"]
+            wait_for(lambda: any(e["step"] == steps for e in events(run, "run_end")), 400, "the run to complete")
+            finished = {e["node"] for e in events(run, "run_end")}
+            assert bad not in finished and "c" in finished
+            # the quarantined node is refused until an operator clears it
+            again = Agent(DEMO, run, over, bad, nnodes="2:2", endpoint=etcd.endpoint, nproc=1)
+            assert again.wait(120) == 2 and "quarantined" in again.output()
+            again.close()
+        finally:
+            for agent in agents.values():
+                agent.close()

@@ -44,6 +44,7 @@ from resilient.agent.api import AgentSettings, FailureKind
 from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
 from resilient.agent.membership import NodeRegistry
 from resilient.agent.pool import WarmPool, WorkerProcess
+from resilient.agent.quarantine import QUARANTINE_EXIT, Quarantine
 from resilient.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class ResilientAgent(SimpleElasticAgent):
         self._next_membership_check = 0.0
         self._round = 0
         self._startup_failures = 0
+        self.quarantined = False
         self.store = None
         if settings.store is not None and settings.etcd_factory is not None:
             from resilient.agent.store import NodeStoreService
@@ -152,6 +154,7 @@ class ResilientAgent(SimpleElasticAgent):
                                  pid=wp.pid, exitcode=code)
         if failures:
             self._count_startup_failures(failures)
+            self._quarantine_if_asked(failures)
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if all(wp.poll() == 0 for wp in self.procs.values()):
             return RunResult(state=WorkerState.SUCCEEDED,
@@ -166,6 +169,24 @@ class ResilientAgent(SimpleElasticAgent):
                                  failures=self._failure(worker_group, local_rank, wp, -signal.SIGKILL))
         self._check_membership(worker_group)
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _quarantine_if_asked(self, failures: dict) -> None:
+        """A worker that exits with QUARANTINE_EXIT sits on a device the SDC
+        monitor confirmed bad: record this node as quarantined in etcd and
+        stop (no restart here); the other nodes re-form without it."""
+        bad = [f for f in failures.values() if f.exitcode == QUARANTINE_EXIT]
+        if not bad:
+            return
+        self.quarantined = True
+        self._remaining_restarts = 0
+        record = {"reason": "silent data corruption confirmed by the SDC monitor",
+                  "local_ranks": [f.local_rank for f in bad], "device": f"{self.settings.node_id}:{bad[0].local_rank}"}
+        if self.registry is not None:
+            try:
+                Quarantine(self.registry.client, self.settings.run_id).add(self.settings.node_id, **record)
+            except Exception as e:  # still leave: a bad node must not keep training
+                log.error("could not record the quarantine in etcd: %s", e)
+        self.events.emit("quarantine", node=self.settings.node_id, **record)
 
     def _count_startup_failures(self, failures: dict) -> None:
         """A worker that dies before its first heartbeat (a config or data

@@ -15,8 +15,9 @@ not collide within one ``step-S/ATTEMPT``, so "which ranks does node N hold"
 is just a directory listing.
 
 Leaks: ``owner.json`` records the owning agent's pid and its start time. An
-agent killed with SIGKILL cannot clean up; the next agent of the same job on
-this machine removes every tree of the job whose owner is dead (:func:`reclaim`).
+agent killed with SIGKILL cannot clean up; the next agent started on this
+machine removes every tree whose owner is dead, of its own job
+(:func:`reclaim`) and of any other (:func:`reclaim_any`).
 """
 
 from __future__ import annotations
@@ -68,13 +69,26 @@ def _owner_alive(path: Path) -> bool:
         return False
 
 
-def reclaim(base: str | os.PathLike, run_id: str) -> list[str]:
+def reclaim_any(base: str | os.PathLike) -> list[str]:
+    """Remove node trees of *any* job under ``base`` whose owner (``owner.json``) is dead:
+    jobs that never restart on this machine (a finished test, a cancelled run) must not
+    leave their RAM behind either. Trees without an owner file are not ours: left alone."""
+    removed = []
+    for root in Path(base).glob("resilient-*"):
+        if root.is_dir() and any((t / OWNER).exists() for t in root.iterdir() if t.is_dir()):
+            removed += [f"{root.name}/{n}" for n in reclaim(base, root.name.removeprefix("resilient-"), owned_only=True)]
+    return removed
+
+
+def reclaim(base: str | os.PathLike, run_id: str, owned_only: bool = False) -> list[str]:
     """Remove this job's node trees whose owner process is dead; returns their node names."""
     root = job_dir(base, run_id)
     removed = []
     if not root.is_dir():
         return removed
     for tree in root.iterdir():
+        if owned_only and not (tree / OWNER).exists():
+            continue
         if tree.is_dir() and not _owner_alive(tree):
             shutil.rmtree(tree, ignore_errors=True)
             removed.append(tree.name)
@@ -110,6 +124,10 @@ class NodeStore:
     def create(self) -> list[str]:
         """Reclaim dead trees of this job, then create ours (owned by this process)."""
         reclaimed = reclaim(self.base, self.run_id)
+        try:
+            reclaim_any(self.base)  # other jobs' agents killed with -9 on this machine
+        except OSError:
+            pass
         if self.path.exists() and _owner_alive(self.path):
             raise StorageError(f"{self.path}: another live agent owns node {self.node!r} of run "
                                f"{self.run_id!r}; give this node another --node-id", str(self.path))
