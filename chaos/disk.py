@@ -24,6 +24,7 @@ from .injectors import InjectionFailed, Injector
 
 CMD_TIMEOUT = timedelta(seconds=10)
 FILLER = ".chaos-filler"
+FILL_ATTEMPTS = 5
 
 
 def mount_unavailable() -> str | None:
@@ -100,9 +101,22 @@ class FillDisk(Injector):
         total = st.f_blocks * st.f_frsize
         if total > self.max_bytes:
             raise InjectionFailed(f"refusing to fill {self.path}: its filesystem has {total} bytes > max_bytes {self.max_bytes}; point the scenario at a SmallVolume")
+        # The job may free space while we fill (retention deletes old
+        # versions): fill, probe, and fill again what was freed, a few times.
+        written = 0
+        for attempt in range(FILL_ATTEMPTS):
+            written += self._fill()
+            if self._probe_full():
+                break
+        else:
+            raise InjectionFailed(f"filled {written} bytes in {FILL_ATTEMPTS} rounds but a 4 KiB write to {self.path} still succeeds")
+        return f"filled {written} bytes on {self.path}; writes raise ENOSPC"
+
+    def _fill(self) -> int:
+        """Append to the filler until ENOSPC, with ever smaller writes."""
         written = 0
         block = b"\0" * (1 << 20)
-        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             size = len(block)
             while size:
@@ -114,6 +128,10 @@ class FillDisk(Injector):
                     size //= 2
         finally:
             os.close(fd)
+        return written
+
+    def _probe_full(self) -> bool:
+        """True when a 4 KiB write fails with ENOSPC (the observed effect)."""
         probe = self.path / f".chaos-probe-{self.fault_id}"
         try:
             with open(probe, "wb") as f:
@@ -123,11 +141,10 @@ class FillDisk(Injector):
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise InjectionFailed(f"probe write on {self.path} failed with {e}, not ENOSPC") from e
-        else:
-            raise InjectionFailed(f"filled {written} bytes but a 4 KiB write to {self.path} still succeeds")
+            return True
         finally:
             probe.unlink(missing_ok=True)
-        return f"filled {written} bytes on {self.path}; writes raise ENOSPC"
+        return False
 
     def _clear(self) -> None:
         self.filler.unlink(missing_ok=True)

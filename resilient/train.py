@@ -119,6 +119,11 @@ class Trainer:
         self.step = 0
         self.stop_requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.chaos = None
+        if os.environ.get("RESILIENT_CHAOS_CONTROL"):  # set only by `resilient chaos run`
+            from resilient_chaos.hooks import WorkerHooks
+
+            self.chaos = WorkerHooks.attach(self)  # turns bit-flip requests into self.flips
         self.progress = ProgressLine(cfg.train.steps, every=cfg.train.log_every) if self.rank == 0 else None
         peak = cfg.train.peak_tflops or device_peak_tflops(self.device.type)
         self.peak_flops = peak * 1e12 * self.layout.world if peak else 0.0
@@ -160,9 +165,13 @@ class Trainer:
         # and saved, before the next one reads the parameters.
         self._inject(step, "param", "optim_state")
         inputs, targets = self._batch(step)
+        for flip in self.flips:
+            flip.current_step = step + 1  # activation flips fire inside forward
         local_loss = self.model.forward_backward(inputs, targets)
         if self.sdc is not None:
             local_loss = self._check_gradients(step + 1, inputs, targets, local_loss)
+        else:
+            self._inject(step + 1, "grad")
         norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip, self.layout.dp * self.layout.tp)
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -227,7 +236,8 @@ class Trainer:
                 raise SystemExit(QUARANTINE_EXIT)
             raise SystemExit(1)
         self.state.wait_idle()
-        restored = self.state.restore()
+        # The monitor's bound: versions after it may hold the corruption.
+        restored = self.state.restore(max_step=decision.rollback_to)
         self.step = restored.step if restored is not None else 0
         if restored is None:  # nothing saved yet: start over from the seed
             for part in self.model.parts:
@@ -289,10 +299,12 @@ class Trainer:
         return 0
 
     def close(self) -> None:
+        if self.chaos is not None:
+            self.chaos.close()
         with self.heartbeat.while_waiting():
             self.state.close()
             if self.sdc is not None:
                 self.sdc.close()
         self.events.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # No destroy_process_group(): with a peer gone it can block, and the
+        # worker process ends right after this (os._exit in resilient.worker).

@@ -105,16 +105,17 @@ class TrainState:
             state["optim"].update(optim_sd["state"])
         return state
 
-    def restore(self) -> Restored | None:
-        """Load the newest complete version into the model and optimizer, in
-        place, resharded to this layout. Returns None on a fresh run."""
+    def restore(self, max_step: int | None = None) -> Restored | None:
+        """Load the newest complete version (at most ``max_step``, for a
+        rollback) into the model and optimizer, in place, resharded to this
+        layout. Returns None on a fresh run."""
         if self.durable is None or not self.cfg.snapshot.resume:
             return None
         state = self.state()
-        if self.store is None:
+        if self.store is None and max_step is None:
             restored = self.durable.restore(state)
         else:
-            restored = self._restore_tiered(state)
+            restored = self._restore_tiered(state, max_step)
         if restored is None:
             return None
         for part, opt in zip(self.model.parts, self.optimizer.optimizers):
@@ -133,9 +134,12 @@ class TrainState:
             self.durable_step = restored.step
         return restored
 
-    def _restore_tiered(self, state: dict) -> Restored | None:
+    def _restore_tiered(self, state: dict, max_step: int | None = None) -> Restored | None:
         durable = SnapshotReader(self.durable.url, self.durable.storage_options, self.durable.retry)
-        candidates, readers = tiered_candidates(self.store, durable, self.events, self.store.secret())
+        secret = self.store.secret() if self.store is not None else None
+        candidates, readers = tiered_candidates(self.store, durable, self.events, secret)
+        if max_step is not None:
+            candidates = [c for c in candidates if c[0] <= max_step]
         try:
             restored = restore_candidates(candidates, state, rank=self.durable.rank,
                                           config_digest=self.cfg.digest(), events=self.events,
@@ -143,7 +147,7 @@ class TrainState:
         finally:
             for r in readers:
                 r.close()
-        if restored is not None and self.durable.rank == 0:
+        if restored is not None and self.durable.rank == 0 and self.store is not None:
             try:
                 forget_after(self.store, restored.step)
             except Exception:  # bookkeeping; the next commits go on regardless

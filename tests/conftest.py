@@ -13,3 +13,12 @@ def corpus(tmp_path_factory):
     from resilient.data import prepare
 
     return prepare("python-stdlib", tmp_path_factory.mktemp("corpus"), max_bytes=CORPUS_TEXT_BYTES)
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    """A real etcd server for the tests of one module (skips if no binary)."""
+    from resilient.etcd.testing import embedded_etcd
+
+    with embedded_etcd() as server:
+        yield server

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from launchutil import REPO, Agent, events, run_launch, steps_done, tiny_overrides, wait_for, worker_pids
-from resilient.etcd.testing import embedded_etcd
+
 
 DEMO = REPO / "configs" / "demo.toml"
 pytestmark = pytest.mark.slow
@@ -17,12 +17,6 @@ pytestmark = pytest.mark.slow
 
 def agent_overrides(corpus, steps, **extra):
     return tiny_overrides(corpus, steps, **{"launch.heartbeat_timeout": 4.0, **extra})
-
-
-@pytest.fixture
-def etcd():
-    with embedded_etcd() as server:
-        yield server
 
 
 def test_worker_kill_is_recovered(corpus, tmp_path, etcd):
@@ -38,7 +32,6 @@ def test_worker_kill_is_recovered(corpus, tmp_path, etcd):
         assert started[1]["warm"] == 2, "the restart should use the warm spares"
         fail = [e for e in events(run, "failure") if e["kind"] == "exit"]
         assert fail and fail[0]["pid"] == victim and fail[0]["exitcode"] == -signal.SIGKILL
-        before = steps_done(run)
         wait_for(lambda: any(e["time"] > started[1]["time"] for e in events(run, "step")), 60,
                  "a step after the restart")
         assert len(events(run, "rendezvous")) >= 2

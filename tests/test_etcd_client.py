@@ -16,15 +16,9 @@ from resilient.etcd import (
     free_port,
     parse_endpoints,
 )
-from resilient.etcd.testing import embedded_etcd, unique_run_id
+from resilient.etcd.testing import unique_run_id
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with embedded_etcd() as server:
-        yield server
 
 
 @pytest.fixture

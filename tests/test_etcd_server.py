@@ -22,12 +22,6 @@ from resilient.etcd.testing import embedded_etcd, enable_auth, make_tls_files
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    with embedded_etcd() as server:
-        yield server
-
-
 def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no etcd on PATH
     with pytest.raises(EtcdNotFound) as info:

@@ -34,12 +34,6 @@ from resilient.rendezvous.registry import SHARE_STORE_ENV
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    with embedded_etcd() as server:
-        yield server
-
-
 @pytest.fixture
 def client(etcd):
     with etcd.client(retry_timeout=timedelta(seconds=20)) as c:

