@@ -36,6 +36,7 @@ import psutil
 
 from resilient.etcd.server import EmbeddedEtcd, free_port
 from resilient.events import read_events
+from resilient.procs import kill_tree as _kill_tree
 
 from .injectors import InjectionFailed
 from .scenario import Scenario
@@ -117,24 +118,12 @@ class EtcdService:
 
 
 def kill_tree(proc: subprocess.Popen, timeout: timedelta = KILL_WAIT) -> None:
-    """SIGKILL a node's agent, its process group and every descendant (warm
-    workers run in process groups of their own), then reap them. An agent
-    that already exited (and was reaped: its pid may be reused) is left
-    alone; its orphans are found by :meth:`LocalJob.leftovers`."""
+    """SIGKILL a node's agent, its process group and every descendant, then
+    reap them. An agent that already exited (and was reaped: its pid may be
+    reused) is left alone; its orphans are found by :meth:`LocalJob.leftovers`."""
     if proc.poll() is not None:
         return
-    try:
-        family = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for p in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=timeout.total_seconds())
-    psutil.wait_procs(family, timeout=timeout.total_seconds())
+    _kill_tree(proc, timeout)
 
 
 def _term_with_parent() -> None:

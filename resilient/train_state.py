@@ -21,6 +21,8 @@ restore tries local RAM, peer RAM, then durable
 
 from __future__ import annotations
 
+import dataclasses
+
 from datetime import timedelta
 from pathlib import Path
 
@@ -164,7 +166,7 @@ class TrainState:
             return
         state = self.state()
         extra = {"rng": rng_state()}
-        position = {"step": step, "sample_index": step * self.cfg.train.global_batch}
+        position = self._global_extra(step)
         if memory:
             self.memory.save(step, state, extra=extra, global_extra=position, force=True)
         if durable:
@@ -181,11 +183,17 @@ class TrainState:
         elif self.durable_step != step:  # memory has it, durable not yet
             self.durable_step = step
             self.durable.save(step, self.state(), extra={"rng": rng_state()},
-                              global_extra={"step": step, "sample_index": step * self.cfg.train.global_batch},
+                              global_extra=self._global_extra(step),
                               force=True)
         if self.memory is not None:
             self.memory.wait(timeout)
         self.durable.wait(timeout)
+
+    def _global_extra(self, step: int) -> dict:
+        """The data position, and the model's shape so tools (``resilient ckpt
+        reshard``) can check a target layout without our config file."""
+        return {"step": step, "sample_index": step * self.cfg.train.global_batch,
+                "config": {"model": dataclasses.asdict(self.cfg.model)}}
 
     def wait_idle(self, timeout: timedelta = timedelta(minutes=10)) -> None:
         """Let captured versions finish writing (before a rollback picks the newest)."""

@@ -22,3 +22,27 @@ def etcd():
 
     with embedded_etcd() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3 API: moto's server on loopback (as s3fs's own tests do), with
+    a bucket "ckpt". Credentials and region come from the environment."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    mp = pytest.MonkeyPatch()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_SESSION_TOKEN": "testing"}.items():
+        mp.setenv(k, v)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    import s3fs
+
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True).mkdir("ckpt")
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        mp.undo()

@@ -12,21 +12,11 @@ from resilient.snapshot import Snapshotter
 from resilient_tools.cli import main
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_SESSION_TOKEN": "testing"}.items():
-        mp.setenv(k, v)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    opts = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}, "skip_instance_cache": True}
-    import s3fs
-    s3fs.S3FileSystem(**opts).mkdir("ckpt")
+def s3(s3_endpoint):
+    opts = {"client_kwargs": {"endpoint_url": s3_endpoint}, "skip_instance_cache": True}
     g = torch.Generator().manual_seed(0)
     state = {"model": {"layers.0.attention.wq.weight": torch.randn(64, 64, generator=g),
                        "layers.0.attention.wo.weight": torch.randn(64, 64, generator=g).bfloat16(),
@@ -36,8 +26,6 @@ def s3(tmp_path_factory):
             snap.save(step, state)
             snap.wait()
     yield json.dumps(opts)
-    server.stop()
-    mp.undo()
 
 
 def test_tools_on_s3(s3, tmp_path, capsys):

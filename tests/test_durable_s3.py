@@ -16,24 +16,6 @@ from resilient.events import EventLog, read_events
 from resilient.snapshot import RetryPolicy, Snapshotter, SnapshotReader
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    mp = pytest.MonkeyPatch()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_SESSION_TOKEN": "testing"}.items():
-        mp.setenv(k, v)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    import s3fs
-    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True).mkdir("ckpt")
-    yield endpoint
-    server.stop()
-    mp.undo()
 
 
 def state(step: int) -> dict:

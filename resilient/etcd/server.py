@@ -177,6 +177,12 @@ class EmbeddedEtcd:
             *self._tls_args(),
             *self.extra_args,
         ]
+        # Die with the process that started us, even when it is killed with
+        # SIGKILL (an agent's embedded etcd must not outlive it): setpriv sets
+        # PR_SET_PDEATHSIG in the child just before it execs etcd.
+        setpriv = shutil.which("setpriv")
+        if setpriv:
+            cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             cmd,

@@ -9,21 +9,19 @@ any of them.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
 import subprocess
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
-import psutil
 import pytest
 
 from resilient.etcd.api import EtcdNotFound
 from resilient.etcd.client import EtcdClient
 from resilient.etcd.server import EmbeddedEtcd
+from resilient.procs import kill_tree
 
 __all__ = ["embedded_etcd", "unique_run_id", "kill_group", "make_tls_files", "enable_auth"]
 
@@ -45,25 +43,8 @@ def unique_run_id(prefix: str = "test") -> str:
 
 
 def kill_group(proc: subprocess.Popen, timeout: timedelta = timedelta(seconds=10)) -> None:
-    """SIGKILL ``proc``, its process group and every descendant, and reap them.
-
-    Descendants matter: torch's elastic agent starts each worker in its own
-    session (``start_new_session=True``), so killing torchrun's group alone
-    would orphan the workers.
-    """
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    # Even if the leader exited, orphans may remain in its group.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for child in descendants:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=timeout.total_seconds())
-    psutil.wait_procs(descendants, timeout=timeout.total_seconds())
+    """SIGKILL ``proc``, its process group and every descendant, and reap them."""
+    kill_tree(proc, timeout)
 
 
 def make_tls_files(directory: Path) -> tuple[str, str, str]:
