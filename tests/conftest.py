@@ -24,10 +24,13 @@ def etcd():
         yield server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3 API: moto's server on loopback (as s3fs's own tests do), with
-    a bucket "ckpt". Credentials and region come from the environment."""
+    a bucket "ckpt". Credentials and region come from the environment. One
+    server per session: moto keeps its buckets in process-global state, so
+    servers started per module would share them anyway. Tests use distinct
+    prefixes under the bucket."""
     pytest.importorskip("s3fs")
     moto_server = pytest.importorskip("moto.server")
     mp = pytest.MonkeyPatch()
@@ -40,7 +43,7 @@ def s3_endpoint():
     endpoint = f"http://{host}:{port}"
     import s3fs
 
-    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True).mkdir("ckpt")
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True).makedirs("ckpt", exist_ok=True)
     try:
         yield endpoint
     finally:
