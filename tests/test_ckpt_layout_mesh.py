@@ -45,7 +45,7 @@ def worker(rank: int, world: int, store: str, result: str) -> None:
 
 def test_layout_boxes_match_fsdp2_over_tp(tmp_path):
     result = str(tmp_path / "result")
-    mp.start_processes(worker, args=(4, str(tmp_path / "store"), result), nprocs=4, join=True, start_method="fork")
+    mp.start_processes(worker, args=(4, str(tmp_path / "store"), result), nprocs=4, join=True, start_method="spawn")
     for rank in range(4):
         mismatches = open(f"{result}.{rank}").read()
         assert not mismatches, f"rank {rank}:\n{mismatches}"

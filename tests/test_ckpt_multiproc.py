@@ -59,7 +59,7 @@ def worker(rank: int, world: int, store: str, url: str, tp: int) -> None:
 def write(tmp_path, name: str, tp: int) -> str:
     url = str(tmp_path / name)
     mp.start_processes(worker, args=(2, str(tmp_path / f"store-{name}"), url, tp), nprocs=2, join=True,
-                       start_method="fork")
+                       start_method="spawn")
     return url
 
 

@@ -121,7 +121,7 @@ def lagging_worker(rank: int, world: int, store: str, root: str, _phase: str) ->
 def test_ranks_that_coalesce_differently_commit_only_whole_versions(tmp_path):
     store = tmp_path / "store-lag"
     root = tmp_path / "ck"
-    mp.start_processes(lagging_worker, args=(2, str(store), str(root), ""), nprocs=2, start_method="fork")
+    mp.start_processes(lagging_worker, args=(2, str(store), str(root), ""), nprocs=2, start_method="spawn")
     from resilient.snapshot import SnapshotReader
     r = SnapshotReader(f"file://{root}")
     steps = r.complete_steps()
@@ -132,7 +132,7 @@ def test_ranks_that_coalesce_differently_commit_only_whole_versions(tmp_path):
 
 def run(world: int, tmp_path, url: str, phase: str) -> None:
     store = tmp_path / f"store-{phase}"
-    mp.start_processes(worker, args=(world, str(store), url, phase), nprocs=world, start_method="fork")  # ~30 ms with torch imported
+    mp.start_processes(worker, args=(world, str(store), url, phase), nprocs=world, start_method="spawn")  # not fork: the test process has threads (servers, leases)
 
 
 def test_write_dp2_tp2_read_other_layouts(tmp_path):
