@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import tempfile
 import time
 import warnings
@@ -179,9 +180,11 @@ class EmbeddedEtcd:
         ]
         # Die with the process that started us, even when it is killed with
         # SIGKILL (an agent's embedded etcd must not outlive it): setpriv sets
-        # PR_SET_PDEATHSIG in the child just before it execs etcd.
+        # PR_SET_PDEATHSIG in the child just before it execs etcd. The kernel
+        # sends that signal when the *thread* that forked exits, so only from
+        # the main thread: a restart from a worker thread would die with it.
         setpriv = shutil.which("setpriv")
-        if setpriv:
+        if setpriv and threading.current_thread() is threading.main_thread():
             cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
