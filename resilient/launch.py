@@ -110,6 +110,12 @@ def etcd_endpoint(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
                     shared.unlink()
 
 
+def default_run_id(run_dir: Path) -> str:
+    """The job id agents derive when --run-id is not given: the same run dir
+    (resolved path) gives the same id on every node."""
+    return "run-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+
+
 def _rdzv_conf(text: str) -> dict[str, str]:
     conf = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -152,7 +158,7 @@ def launch(args: argparse.Namespace) -> int:
 
     lc = cfg.launch
     node = args.node_id or socket.gethostname()
-    run_id = args.run_id or "run-" + hashlib.sha1(str(run_dir).encode()).hexdigest()[:10]
+    run_id = args.run_id or default_run_id(run_dir)
     events = EventLog(run_dir / "events.jsonl", node=node, rank=-1)
     env = worker_env(nproc)
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"})

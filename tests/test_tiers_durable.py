@@ -4,13 +4,13 @@ its clean exit leaves nothing in /dev/shm."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
 
 from launchutil import REPO, Agent, events, steps_done, tiny_overrides, wait_for
 from resilient.etcd.testing import embedded_etcd
+from resilient.launch import default_run_id
 
 DEMO = REPO / "configs" / "demo.toml"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # minutes on a loaded 2-core host
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # minutes on a loaded
 def test_all_nodes_killed_restore_from_durable_and_reclaim(corpus, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    shm = "/dev/shm/resilient-run-" + hashlib.sha1(str(run.resolve()).encode()).hexdigest()[:10]
+    shm = "/dev/shm/resilient-" + default_run_id(run)
     over = tiny_overrides(corpus, 24, **{"snapshot.every": 1, "snapshot.durable_every": 4})
     with embedded_etcd() as etcd:
         first = Agent(DEMO, run, over, "n0", endpoint=etcd.endpoint, nproc=2)

@@ -11,6 +11,7 @@ import pytest
 
 from launchutil import REPO, Agent, digests, events, run_launch, steps_done, tiny_overrides, wait_for
 from resilient.etcd.testing import embedded_etcd
+from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import reclaim
 
 DEMO = REPO / "configs" / "demo.toml"
@@ -19,9 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # minutes on a loaded
 
 
 def run_id(run_dir) -> str:
-    import hashlib
-
-    return "run-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    return default_run_id(run_dir)
 
 
 def overrides(corpus):

@@ -9,6 +9,7 @@ import pytest
 from launchutil import REPO, Agent, events, losses, steps_done, tiny_overrides, wait_for
 
 from resilient.etcd.testing import embedded_etcd
+from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import reclaim
 
 DEMO = REPO / "configs" / "demo.toml"
@@ -17,9 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # minutes on a loade
 
 
 def run_id(run_dir) -> str:
-    import hashlib
-
-    return "run-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    return default_run_id(run_dir)
 
 
 def test_node_loss_shrinks_dp_restoring_from_peers(corpus, tmp_path):
