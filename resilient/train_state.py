@@ -78,6 +78,8 @@ class TrainState:
         self.optimizer = optimizer
         self.events = events
         init_optimizer_state(model, optimizer)
+        self._state: dict | None = None
+        self._state_key: tuple = ()
         snap = cfg.snapshot
         self.durable: Snapshotter | None = None
         self.last_saved = -1
@@ -96,8 +98,27 @@ class TrainState:
                 part_bytes=snap.part_mib << 20, commit=False,
                 retry=RetryPolicy(deadline=timedelta(seconds=2), attempts=2))
 
+    def _identity(self) -> tuple:
+        """Which tensor objects the state is made of: parameters and optimizer state.
+        Unchanged between steps (the optimizer updates them in place); a restore or a
+        new optimizer state replaces some, which changes this."""
+        ids = [id(p) for part in self.model.parts for p in part.parameters()]
+        for opt in self.optimizer.optimizers:
+            for st in opt.state.values():
+                ids.extend(id(v) for v in st.values())
+        return tuple(ids)
+
     def state(self) -> dict:
-        """Global names throughout: the stage modules' names do not overlap."""
+        """The state dict of every stage, built once and reused while its tensors are the
+        same objects (``get_state_dict`` costs more than the capture's copy at this size).
+
+        Global names throughout: the stage modules' names do not overlap."""
+        key = self._identity()
+        if self._state is None or self._state_key != key:
+            self._state, self._state_key = self._build_state(), key
+        return self._state
+
+    def _build_state(self) -> dict:
         state: dict = {"model": {}, "optim": {}}
         for part, opt in zip(self.model.parts, self.optimizer.optimizers):
             model_sd, optim_sd = get_state_dict(part, opt)
@@ -127,6 +148,7 @@ class TrainState:
                            model_state_dict={k: v for k, v in state["model"].items() if k in names},
                            optim_state_dict={"state": {k: v for k, v in state["optim"].items() if k in names},
                                              "param_groups": groups})
+        self._state = None  # set_state_dict may have replaced optimizer state tensors
         if restored.extra is not None:
             set_rng_state(restored.extra["rng"])
         # The restored version exists already: saving it again at the end (a run restored at

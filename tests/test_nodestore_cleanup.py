@@ -12,7 +12,7 @@ OWNER = """
 import sys, time
 from resilient.snapshot.nodestore import NodeStore
 s = NodeStore(sys.argv[1], "job", sys.argv[2]); s.create()
-w = s.writer("step-000000000001/abc-000000/r00000.json"); w.write(b"{}"); w.commit(2, __import__("zlib").crc32(b"{}"))
+w = s.writer("step-000000000001/abc-000000/r00000.json"); w.write(b"{}"); w.commit(2, __import__("resilient.snapshot.format", fromlist=["crc"]).crc(b"{}"))
 print("ready", flush=True); time.sleep(120)
 """
 

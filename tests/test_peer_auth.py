@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import zlib
 
 import pytest
 
+from resilient.snapshot.format import crc
 from resilient.snapshot.nodestore import NodeStore
 from resilient.snapshot.peer import PeerAuthError, PeerClient, PeerError, PeerServer, peer_order
 
@@ -46,7 +46,7 @@ def test_without_the_secret_nothing_is_read_or_written(server):
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         s.recv(4096)  # the server's challenge
         other = "step-000000000007/abc123-000001/r00004-p0000.bin"
-        for hdr in ({"op": "put", "path": other, "size": 4, "crc": zlib.crc32(b"evil")},
+        for hdr in ({"op": "put", "path": other, "size": 4, "crc": crc(b"evil")},
                     {"op": "get", "path": REL}):
             data = json.dumps(hdr).encode()
             try:

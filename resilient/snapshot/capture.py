@@ -119,6 +119,29 @@ class Slot:
     extra: Any = None
     global_extra: Any = None
     event: Any = None  # torch.cuda.Event when the copy was asynchronous
+    _pairs: tuple = ((), ())
+    _pairs_key: tuple = ()
+    _pairs_held: list = field(default_factory=list)
+
+    def pairs(self, tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destination views into the buffer, source views of the local shards), one pair
+        per written piece. Built once per plan, buffer and set of tensor objects: a training
+        loop that passes the same tensors every step pays only for the copies."""
+        key = (id(self.plan), self.buffer.data_ptr(), tuple(id(t) for t in tensors.values()))
+        if self._pairs_key != key:
+            dsts, srcs = [], []
+            for tp in self.plan.tensors:
+                if not tp.pieces:
+                    continue
+                src = _local(tensors[tp.name])
+                whole = Box((0,) * src.dim(), tuple(src.shape))
+                for piece, off in tp.pieces:
+                    n = piece.box.numel * src.element_size()
+                    dsts.append(self.buffer[off:off + n].view(tp.dtype).view(piece.box.sizes))
+                    srcs.append(src[piece.local.slices_within(whole)])
+            # The tensors are kept alive with the key, so their ids stay theirs.
+            self._pairs, self._pairs_key, self._pairs_held = (dsts, srcs), key, list(tensors.values())
+        return self._pairs
 
     def wait_copied(self) -> None:
         if self.event is not None:
@@ -155,8 +178,8 @@ class SlotRing:
 
     def copy_into(self, slot: Slot, tensors: dict[str, torch.Tensor], overlap: bool) -> None:
         """Copy every written piece into ``slot``'s buffer (async on CUDA)."""
-        plan, buf = slot.plan, slot.buffer
-        cuda = any(_local(tensors[tp.name]).is_cuda for tp in plan.tensors if tp.pieces)
+        dsts, srcs = slot.pairs(tensors)
+        cuda = any(s.is_cuda for s in srcs)
         stream = None
         if cuda:
             if self._stream is None:
@@ -165,17 +188,12 @@ class SlotRing:
             stream.wait_stream(torch.cuda.current_stream())
         ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
         with ctx:
-            for tp in plan.tensors:
-                if not tp.pieces:
-                    continue
-                src = _local(tensors[tp.name])
-                if cuda and src.is_cuda:
-                    src.record_stream(stream)  # the allocator must not reuse it before the copy ran
-                for piece, off in tp.pieces:
-                    n = piece.box.numel * src.element_size()
-                    dst = buf[off:off + n].view(tp.dtype).view(piece.box.sizes)
-                    dst.copy_(src[piece.local.slices_within(Box((0,) * src.dim(), tuple(src.shape)))],
-                              non_blocking=cuda)
+            if cuda:
+                for src in srcs:
+                    if src.is_cuda:
+                        src.record_stream(stream)  # the allocator must not reuse it before the copy ran
+            if dsts:
+                torch._foreach_copy_(dsts, srcs, non_blocking=cuda)
             if cuda:
                 slot.event = torch.cuda.Event()
                 slot.event.record(stream)

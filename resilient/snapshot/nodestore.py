@@ -27,14 +27,13 @@ import os
 import re
 import shutil
 import uuid
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from resilient.snapshot.api import SnapshotIncomplete, StorageError
-from resilient.snapshot.format import parse_version_dir, version_dir
+from resilient.snapshot.format import crc, parse_version_dir, version_dir
 
 OWNER = "owner.json"
 # Everything a store holds has one of these names; anything else is refused (no "..", no absolute paths).
@@ -232,15 +231,15 @@ class AtomicWriter:
 
     def write(self, data: bytes | memoryview) -> None:
         self.f.write(data)
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc(data, self.crc)
         self.size += len(data)
 
     def commit(self, size: int, crc: int) -> None:
         self.f.close()
         if (self.size, self.crc & 0xFFFFFFFF) != (size, crc & 0xFFFFFFFF):
             self.abort()
-            raise OSError(f"{self.path}: received {self.size} bytes crc32 {self.crc & 0xFFFFFFFF:08x}, "
-                          f"sender said {size} bytes crc32 {crc & 0xFFFFFFFF:08x}")
+            raise OSError(f"{self.path}: received {self.size} bytes crc32c {self.crc & 0xFFFFFFFF:08x}, "
+                          f"sender said {size} bytes crc32c {crc & 0xFFFFFFFF:08x}")
         os.replace(self.tmp, self.path)
 
     def abort(self) -> None:

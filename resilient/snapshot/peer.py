@@ -32,11 +32,11 @@ import socketserver
 import struct
 import threading
 import time
-import zlib
 from datetime import timedelta
 from typing import Any
 
 from resilient.snapshot.api import SnapshotError, SnapshotIncomplete, StorageError
+from resilient.snapshot.format import crc
 from resilient.snapshot.nodestore import NodeStore, check_rel
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class _Handler(socketserver.BaseRequestHandler):
             _send(sock, {"ok": False, "error": str(e)})
             return
         if op == "put":
-            size, crc = int(req["size"]), int(req["crc"])
+            size, sent_crc = int(req["size"]), int(req["crc"])
             w = store.writer(rel)
             try:
                 left = size
@@ -143,7 +143,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     piece = _recv_exact(sock, min(left, PIECE))
                     w.write(piece)
                     left -= len(piece)
-                w.commit(size, crc)
+                w.commit(size, sent_crc)
             except BaseException as e:
                 w.abort()
                 if isinstance(e, (ConnectionError, socket.timeout)):
@@ -157,7 +157,7 @@ class _Handler(socketserver.BaseRequestHandler):
             except SnapshotError as e:
                 _send(sock, {"ok": False, "error": str(e), "missing": True})
                 return
-            _send(sock, {"ok": True, "size": len(data), "crc": zlib.crc32(data) & 0xFFFFFFFF}, data)
+            _send(sock, {"ok": True, "size": len(data), "crc": crc(data)}, data)
         else:
             _send(sock, {"ok": False, "error": f"unknown op {op!r}"})
 
@@ -232,7 +232,7 @@ class PeerClient:
         """Store ``data`` as ``rel`` on the peer, atomically; raises :class:`PeerError`."""
         t0 = time.monotonic()
         try:
-            _send(self.sock, {"op": "put", "path": rel, "size": len(data), "crc": zlib.crc32(data) & 0xFFFFFFFF})
+            _send(self.sock, {"op": "put", "path": rel, "size": len(data), "crc": crc(data)})
             view = memoryview(data)
             for i in range(0, len(view), PIECE):
                 self.sock.sendall(view[i:i + PIECE])
@@ -258,7 +258,7 @@ class PeerClient:
             data = _recv_exact(self.sock, int(reply["size"]))
         except (OSError, ValueError, KeyError) as e:
             raise PeerError(f"peer {self.address}: get {rel} failed ({e})", self.address) from None
-        if zlib.crc32(data) & 0xFFFFFFFF != int(reply["crc"]):
+        if crc(data) != int(reply["crc"]):
             raise PeerError(f"peer {self.address}: {rel} damaged in transit (transfer CRC mismatch)", self.address)
         return data
 

@@ -42,6 +42,12 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _wants_pinned(tensors: dict[str, torch.Tensor]) -> bool:
+    """Pinned host buffers when any tensor lives on a GPU (for asynchronous copies)."""
+    return torch.cuda.is_available() and any(
+        (t.to_local() if hasattr(t, "to_local") else t).is_cuda for t in tensors.values())
+
+
 class Snapshotter:
     """Asynchronous, sharded, checksummed snapshots to an fsspec URL.
 
@@ -87,7 +93,8 @@ class Snapshotter:
         self._uploader = Uploader(fs, root, self.rank, self.world, self._ring, self.opts, events,
                                   self.layout, config_digest, self._committer)
         self._plan = None
-        self._sig: tuple = ()
+        self._sig: tuple = ((), ())
+        self._held: list[torch.Tensor] = []
         self._seq = 0  # captures so far: the same on every rank
         self._plain_writers: set[str] | None = None  # None: this rank writes every plain tensor
         self._last_time = time.monotonic()
@@ -141,13 +148,19 @@ class Snapshotter:
             return False
         t0 = time.perf_counter()
         tensors, values = split_state(state)
-        sig = (state_signature(tensors), tuple(values))
-        if self._plan is None or self._sig != sig:
-            self._agree(tensors, values)
-            self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
-            self._sig = sig
-        pin = torch.cuda.is_available() and any(
-            (t.to_local() if hasattr(t, "to_local") else t).is_cuda for t in tensors.values())
+        # The same tensor objects as last time (a training loop reusing its state dict):
+        # the same structure, no need to recompute the signature. ``_held`` keeps them
+        # alive, so their ids cannot be reused by other tensors meanwhile.
+        same = (self._plan is not None and len(tensors) == len(self._held)
+                and all(a is b for a, b in zip(tensors.values(), self._held)) and tuple(values) == self._sig[1])
+        if not same:
+            sig = (state_signature(tensors), tuple(values))
+            if self._plan is None or self._sig != sig:
+                self._agree(tensors, values)
+                self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
+                self._sig = sig
+            self._held = list(tensors.values())
+        pin = _wants_pinned(tensors)
         mine = self._plain_writers
         # JSON state is frozen now: the loop may mutate it (an LR scheduler) before the upload.
         frozen = json.loads(json.dumps({"extra": extra, "global": global_extra, "values": {
@@ -176,8 +189,8 @@ class Snapshotter:
         self._agree(tensors, values)
         self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
         self._sig = (state_signature(tensors), tuple(values))
-        pin = torch.cuda.is_available() and any(
-            (t.to_local() if hasattr(t, "to_local") else t).is_cuda for t in tensors.values())
+        self._held = list(tensors.values())
+        pin = _wants_pinned(tensors)
         self._ring.preallocate(self._plan, pin)
 
     def fence(self) -> None:

@@ -1,0 +1,53 @@
+"""A state dict passed again and again (the training loop's fast path) is captured fresh each time.
+
+The Snapshotter and the capture cache their plan and copy lists while the
+state is made of the same tensor objects; these tests make sure the cache
+never serves stale bytes: values changed in place are seen, and tensors
+replaced by new objects (a restore, a new optimizer state) are seen too.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+from resilient.snapshot import SnapshotReader, Snapshotter
+
+
+def read_back(url: str, like: dict) -> dict:
+    out = {"w": torch.zeros_like(like["w"]), "b": torch.zeros_like(like["b"]), "n": 0}
+    from resilient.snapshot.restore import restore_state
+
+    restore_state(SnapshotReader(url), out, rank=0, config_digest="t")
+    return out
+
+
+def test_in_place_updates_are_captured_by_the_reused_plan(tmp_path):
+    url = f"file://{tmp_path}/ck"
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)[1:4], "n": 0}
+    with Snapshotter(url, every=1, config_digest="t", keep_last=10) as snap:
+        for step in range(1, 4):
+            state["w"].mul_(2).add_(step)
+            state["b"].add_(step)
+            state["n"] = step
+            snap.save(step, state)
+            snap.wait(timedelta(seconds=30))
+            got = read_back(url, state)
+            assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+            assert got["n"] == step
+
+
+def test_replaced_tensors_are_captured_not_the_old_ones(tmp_path):
+    url = f"file://{tmp_path}/ck"
+    state = {"w": torch.zeros(3, 4), "b": torch.zeros(3), "n": 1}
+    with Snapshotter(url, every=1, config_digest="t", keep_last=10) as snap:
+        snap.save(1, state)
+        snap.wait(timedelta(seconds=30))
+        old_w = state["w"]
+        state["w"] = torch.full((3, 4), 7.0)  # a new object of the same structure
+        old_w.fill_(-1.0)  # the old one changing must not leak into the new version
+        snap.save(2, state)
+        snap.wait(timedelta(seconds=30))
+        got = read_back(url, state)
+        assert torch.equal(got["w"], torch.full((3, 4), 7.0))
