@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from resilient.snapshot.api import (
     ChunkRecord, Manifest, NoSnapshotFound, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, SnapshotMismatch,
@@ -23,7 +24,7 @@ from resilient.snapshot.api import (
 from resilient.snapshot.boxes import Box, copy_overlap
 from resilient.snapshot.format import MANIFEST_NAME, decompress, dtype_from_name, manifest_from_json, verify, version_dir
 from resilient.snapshot.retention import list_versions
-from resilient.snapshot.storage import RetryPolicy, open_url, read_range, with_retry
+from resilient.snapshot.storage import RetryPolicy, open_url, read_range, read_range_into, with_retry
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,28 @@ class SnapshotReader:
                 if attempt == 2:
                     raise
         return decode_chunk(data, tensor, chunk, where)
+
+    def read_into(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord, out: torch.Tensor) -> bool:
+        """Read an uncompressed chunk of a local file straight into ``out`` (contiguous, the
+        chunk's shape and dtype) and verify it there: one copy fewer than :meth:`read_chunk`.
+        Returns False when this reader cannot (remote storage, compressed chunk); the caller
+        then uses :meth:`read_chunk`. On a bad checksum ``out`` holds garbage and this raises."""
+        if chunk.compression != "none" or not isinstance(self.fs, LocalFileSystem) or not out.is_contiguous():
+            return False
+        if out.numel() * out.element_size() != chunk.length:
+            return False
+        path = self.object_path(manifest, chunk)
+        where = f"{path}@{chunk.offset}+{chunk.length} ({tensor.name})"
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if chunk.length else memoryview(bytearray())
+        for attempt in (1, 2):  # as read_chunk: a transient misread reads right the second time
+            with_retry(lambda: read_range_into(self.fs, path, chunk.offset, view), path, self.retry)
+            try:
+                verify(view, chunk.checksum, where)
+                return True
+            except SnapshotCorrupt:
+                if attempt == 2:
+                    raise
+        return True
 
     def verify(self, manifest: Manifest) -> list[SnapshotError]:
         """Check a whole version, streaming: every chunk's bytes against its checksum and
@@ -163,16 +186,36 @@ def fill_many(reader: SnapshotReader, manifest: Manifest,
             if any(Box(c.offsets, c.sizes).intersect(b) for b, _ in wanted)]
     covered = [[0] * len(wanted) for _, wanted in jobs]
 
-    def place(j: int, c: ChunkRecord, data: torch.Tensor) -> None:
+    def place(j: int, c: ChunkRecord, data: torch.Tensor | None) -> None:
         cbox = Box(c.offsets, c.sizes)
         for i, (b, dst) in enumerate(jobs[j][1]):
-            covered[j][i] += copy_overlap(cbox, data, b, dst)
+            if data is None:  # read straight into this destination (see direct)
+                if cbox.intersect(b) == cbox:
+                    covered[j][i] += cbox.numel
+            else:
+                covered[j][i] += copy_overlap(cbox, data, b, dst)
+
+    direct_read = getattr(reader, "read_into", None)
+
+    def fetch(j: int, c: ChunkRecord) -> torch.Tensor | None:
+        """The chunk's data, or None when it was read straight into its destination:
+        a chunk inside one wanted box whose destination rows are contiguous (the same
+        layout, or dp-only resharding along rows), for a reader that can."""
+        if direct_read is not None:
+            cbox = Box(c.offsets, c.sizes)
+            for b, dst in jobs[j][1]:
+                if cbox.intersect(b) == cbox:
+                    out = dst[cbox.slices_within(b)]
+                    if out.is_contiguous() and direct_read(manifest, jobs[j][0], c, out):
+                        return None
+                    break
+        return reader.read_chunk(manifest, jobs[j][0], c)
 
     window = max(1, 2 * reader.threads)
     with ThreadPoolExecutor(max(1, min(reader.threads, len(work) or 1))) as pool:
         inflight: deque = deque()
         for j, c in work:
-            inflight.append((j, c, pool.submit(reader.read_chunk, manifest, jobs[j][0], c)))
+            inflight.append((j, c, pool.submit(fetch, j, c)))
             if len(inflight) >= window:
                 j0, c0, f0 = inflight.popleft()
                 place(j0, c0, f0.result())

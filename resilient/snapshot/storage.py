@@ -133,3 +133,24 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int) -
             f"{path}: object is truncated (wanted bytes {start}-{end}, got {len(data)} bytes); "
             "the version is damaged, restore falls back to an older one", path)
     return data
+
+
+def read_range_into(fs: fsspec.AbstractFileSystem, path: str, start: int, out: memoryview) -> None:
+    """Read ``len(out)`` bytes of a local file from ``start`` into ``out`` (no intermediate
+    bytes object); the same errors as :func:`read_range`."""
+    local = fs._strip_protocol(path)
+    try:
+        with open(local, "rb", buffering=0) as f:
+            f.seek(start)
+            got = 0
+            while got < len(out):
+                n = f.readinto(out[got:])
+                if not n:
+                    break
+                got += n
+    except FileNotFoundError:
+        raise SnapshotIncomplete(f"{path}: object is missing; the version is incomplete", path) from None
+    if got != len(out):
+        raise SnapshotCorrupt(
+            f"{path}: object is truncated (wanted bytes {start}-{start + len(out)}, got {got} bytes); "
+            "the version is damaged, restore falls back to an older one", path)
