@@ -85,6 +85,19 @@ def test_compare_and_swap_on_mod_revision(client, ns):
     assert client.compare_value_and_swap(k, "v2", "v4").kv.value == b"v4"
 
 
+def test_put_and_get_prefix_is_one_write_then_the_whole_prefix(client, ns):
+    client.put(ns + "h/a", "1")
+    got = client.put_and_get_prefix(ns + "h/b", "2", ns + "h/")
+    assert [(kv.key, kv.value) for kv in got] == [((ns + "h/a").encode(), b"1"), ((ns + "h/b").encode(), b"2")]
+
+
+def test_create_all_is_all_or_nothing(client, ns):
+    assert client.create_all({ns + "c/x": "1", ns + "c/y": "1"})
+    # y exists: nothing is written, not even z.
+    assert not client.create_all({ns + "c/y": "2", ns + "c/z": "2"})
+    assert client.get(ns + "c/y").value == b"1" and client.get(ns + "c/z") is None
+
+
 def test_cas_counter_under_contention(etcd, ns):
     """6 threads x 8 CAS increments: no lost update."""
     k = ns + "counter"

@@ -412,6 +412,19 @@ class EtcdClient:
         cmp = {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
         return self._cas(key, cmp, value, lease)
 
+    def put_and_get_prefix(self, key: bytes | str, value: bytes | str, prefix: bytes | str) -> list[KeyValue]:
+        """Write ``key``, then read every key under ``prefix``, in one round trip (one txn)."""
+        resp = self.txn([], [{"request_put": {"key": _b64(key), "value": _b64(value)}},
+                             {"request_range": _range(prefix)}], [])
+        responses = resp.get("responses") or []
+        return [_kv(kv) for kv in (_response(responses[-1], "range").get("kvs") or [])] if responses else []
+
+    def create_all(self, items: dict[str, str]) -> bool:
+        """Create every key of ``items`` in one transaction, only if none of them exists yet."""
+        cmp = [{"key": _b64(k), "target": "VERSION", "result": "EQUAL", "version": 0} for k in items]
+        puts = [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in items.items()]
+        return bool(self.txn(cmp, puts, []).get("succeeded", False))
+
     def _cas(self, key: bytes | str, cmp: dict, value: bytes | str,
              lease: int | Lease | None) -> CasResult:
         put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}

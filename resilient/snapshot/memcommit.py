@@ -59,6 +59,7 @@ class ReplicatorOptions:
     rate: float = 0.0                       # bytes/s per push, 0 = unlimited
     poll: timedelta = timedelta(milliseconds=50)
     io_timeout: timedelta = timedelta(seconds=30)
+    nodes_ttl: timedelta = timedelta(seconds=1)
 
 
 class Replicator:
@@ -79,6 +80,8 @@ class Replicator:
         self._stop = False
         self._busy = False
         self._warned_full = 0.0
+        self._nodes: dict[str, dict] = {}
+        self._nodes_at = 0.0
         self._thread = threading.Thread(target=self._run, name="snapshot-replicator", daemon=True)
         self._thread.start()
 
@@ -126,15 +129,16 @@ class Replicator:
     def _handle(self, v: LocalVersion) -> None:
         mine = sorted(self.local_ranks & v.ranks)
         world = self.world
-        nodes = self.nodes() or {}
+        nodes = self._live_nodes()
         holders = {r: [self.node] for r in mine}
-        self._hold(v, holders)
-        self._try_commit("local", v, world, 0)
         others = {n: i for n, i in nodes.items() if n != self.node and i.get("store")}
         k = min(self.opts.k, len(others))
+        merged = self._hold(v, holders, world)
         if k == 0:
-            self._try_commit("memory", v, world, 0)
+            # Nothing to replicate: the local and memory records are one decision, one round trip.
+            self._commit(v, world, merged, {"local": 0, "memory": 0})
             return
+        self._commit(v, world, merged, {"local": 0})
         t0, sent = time.monotonic(), 0
         for peer in peer_order(self.node, {**others, self.node: nodes.get(self.node, {})}, len(others)):
             if sum(1 for n in holders[mine[0]] if n != self.node) >= k:
@@ -143,15 +147,26 @@ class Replicator:
                 sent += self._push(peer, others[peer]["store"], v, mine)
             except (PeerError, SnapshotError, OSError) as e:
                 self._drop_client(peer)
+                self._nodes_at = 0.0  # a peer failed: look at the registry afresh next time
                 self._emit("upload_error", step=v.step, phase="replicate", obj=peer, error=str(e))
                 continue
             for r in mine:
                 holders[r].append(peer)
-        self._hold(v, holders)
+        merged = self._hold(v, holders, world)
         self._emit("upload", step=v.step, bytes=sent, stored_bytes=sent, parts=len(mine),
                    seconds=round(time.monotonic() - t0, 4), tier="peer",
                    peers=sorted({n for h in holders.values() for n in h} - {self.node}))
-        self._try_commit("memory", v, world, k)
+        self._commit(v, world, merged, {"memory": k})
+
+    def _live_nodes(self) -> dict[str, dict]:
+        """The node registry, re-read at most every ``nodes_ttl`` (a version per step would
+        otherwise cost a registry read per step); a failed push forces a fresh read."""
+        now = time.monotonic()
+        if now - self._nodes_at > self.opts.nodes_ttl.total_seconds():
+            got = self.nodes()
+            if got is not None:  # unreachable etcd: unknown is not dead, keep what we knew
+                self._nodes, self._nodes_at = got, now
+        return self._nodes
 
     def _client(self, peer: str, address: str) -> PeerClient:
         c = self._clients.get(peer)
@@ -175,37 +190,49 @@ class Replicator:
         return sent
 
     # -- etcd records -----------------------------------------------------------
-    def _hold(self, v: LocalVersion, holders: dict[int, list[str]]) -> None:
-        doc = {"attempt": v.attempt, "world": self.world, "holders": {str(r): h for r, h in holders.items()}}
-        self.client.put(holds_prefix(self.run_id, v.step) + self.node, json.dumps(doc))
-
-    def _try_commit(self, tier: str, v: LocalVersion, world: int, k: int) -> bool:
+    def _hold(self, v: LocalVersion, holders: dict[int, list[str]], world: int) -> dict[str, list[str]]:
+        """Record what this node holds and read every node's records of ``v`` (one txn):
+        the merged ``{rank: [nodes]}`` of this version's attempt and world."""
+        doc = {"attempt": v.attempt, "world": world, "holders": {str(r): h for r, h in holders.items()}}
+        prefix = holds_prefix(self.run_id, v.step)
         merged: dict[str, list[str]] = {}
-        for kv in self.client.get_prefix(holds_prefix(self.run_id, v.step)):
+        for kv in self.client.put_and_get_prefix(prefix + self.node, json.dumps(doc), prefix):
             try:
-                doc = json.loads(kv.value)
+                got = json.loads(kv.value)
             except ValueError:
                 continue
-            if doc.get("attempt") != v.attempt or doc.get("world") != world:
+            if got.get("attempt") != v.attempt or got.get("world") != world:
                 continue
-            for r, h in doc.get("holders", {}).items():
+            for r, h in got.get("holders", {}).items():
                 merged.setdefault(r, [])
                 merged[r] += [n for n in h if n not in merged[r]]
-        need = 1 + k
-        if len(merged) < world or any(len(merged.get(str(r), [])) < need for r in range(world)):
-            return False
-        record = {"step": v.step, "attempt": v.attempt, "world": world, "k": k, "holders": merged,
-                  "time": time.time()}
-        res = self.client.compare_and_swap(commit_key(self.run_id, tier, v.step), json.dumps(record),
-                                           mod_revision=None)
+        return merged
+
+    def _commit(self, v: LocalVersion, world: int, merged: dict[str, list[str]], tiers: dict[str, int]) -> None:
+        """Commit ``v`` at each tier of ``tiers`` (tier -> k) whose ``1 + k`` copies of every
+        rank are held; create-only, so concurrent agents never disagree about a version."""
+        due = {t: k for t, k in tiers.items()
+               if len(merged) >= world and all(len(merged.get(str(r), [])) >= 1 + k for r in range(world))}
+        if not due:
+            return
+        now = time.time()
+        records = {commit_key(self.run_id, t, v.step): json.dumps(
+            {"step": v.step, "attempt": v.attempt, "world": world, "k": k, "holders": merged, "time": now})
+            for t, k in due.items()}
+        if len(records) > 1 and self.client.create_all(records):
+            won = set(due)
+        else:  # one tier, or another agent committed one of them first: each on its own
+            won = {t for t, key in zip(due, records)
+                   if self.client.compare_and_swap(key, records[key], mod_revision=None).succeeded}
         with self._cond:
-            self.committed[tier] = max(self.committed.get(tier, -1), v.step)
-        if res.succeeded and (tier == "local" or k > 0):  # k = 0: the local commit said it all
-            self._emit("commit", step=v.step, tier="local" if tier == "local" else "peer", world=world,
-                       k=k, url=f"memory://{self.run_id}/{tier}/{v.step}", holders=merged)
-            if v.step % 16 == 0:
-                self._forget_before(v.step - 32)
-        return True
+            for t in due:
+                self.committed[t] = max(self.committed.get(t, -1), v.step)
+        for t, k in due.items():
+            if t in won and (t == "local" or k > 0):  # k = 0: the local commit said it all
+                self._emit("commit", step=v.step, tier="local" if t == "local" else "peer", world=world,
+                           k=k, url=f"memory://{self.run_id}/{t}/{v.step}", holders=merged)
+        if won and v.step % 16 == 0:
+            self._forget_before(v.step - 32)
 
     def _forget_before(self, step: int) -> None:
         """Delete commit and hold records of steps below ``step`` (one txn)."""
