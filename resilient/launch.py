@@ -126,6 +126,21 @@ def _rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
+# The --rdzv-conf keys that say how to reach etcd (TLS, auth, timeouts): workers need them too.
+_ETCD_KEYS = {"protocol", "ca_cert", "cacert", "ssl_cert", "cert", "ssl_cert_key", "key", "username", "user",
+              "request_timeout", "retry_timeout"}
+
+
+def worker_etcd_conf(conf: dict[str, str]) -> dict[str, str]:
+    """What workers need of the agent's ``--rdzv-conf`` to reach etcd. A password given there
+    goes to the workers through the environment they inherit, never into their arguments."""
+    if conf.get("password"):
+        from resilient.rendezvous.registry import PASSWORD_ENV
+
+        os.environ[PASSWORD_ENV] = conf["password"]
+    return {k: v for k, v in conf.items() if k in _ETCD_KEYS}
+
+
 def store_settings(cfg: Config):
     """The node store's settings, or None when the memory tiers are off."""
     from resilient.agent.store import StoreSettings
@@ -189,6 +204,7 @@ def launch(args: argparse.Namespace) -> int:
             preemption_grace=timedelta(seconds=lc.preemption_grace),
             run_id=run_id, etcd_endpoint=endpoint,
             etcd_factory=lambda: client_from_params(params),
+            etcd_conf=worker_etcd_conf(_rdzv_conf(args.rdzv_conf)),
             store=store_settings(cfg),
             worker_argv=["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir), "--node", node],
             worker_env=env,

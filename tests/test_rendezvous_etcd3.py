@@ -269,3 +269,28 @@ def test_rendezvous_rides_through_etcd_restart():
         finally:
             for handler, *_ in results:
                 handler.shutdown()
+
+
+def test_workers_reach_a_secured_etcd_as_the_agent_does(tmp_path, monkeypatch):
+    """The store info an agent hands its workers carries the TLS/auth keys of --rdzv-conf
+    (never the password: that travels in the inherited environment)."""
+    from resilient.launch import worker_etcd_conf
+    from resilient.snapshot.tiers import StoreInfo
+
+    ca, cert, key = make_tls_files(tmp_path)
+    with embedded_etcd(cert_file=cert, key_file=key) as server:
+        with server.client(ca_cert=ca) as admin:
+            enable_auth(admin, "s3cret")
+        monkeypatch.delenv("RESILIENT_ETCD_PASSWORD", raising=False)
+        conf = worker_etcd_conf({"ca_cert": ca, "username": "root", "password": "s3cret", "join_timeout": "9"})
+        assert conf == {"ca_cert": ca, "username": "root"}
+        info = StoreInfo(base=str(tmp_path), run_id="r", node="n", etcd=server.endpoint,
+                         secret_file=str(tmp_path / "s"), etcd_conf=conf)
+        worker_view = StoreInfo(**__import__("json").loads(info.to_env()))
+        with worker_view.client() as c:  # password from the environment the agent set
+            c.put("/t/k", "v")
+            assert c.get("/t/k").value == b"v"
+        monkeypatch.setenv("RESILIENT_ETCD_PASSWORD", "wrong")
+        with pytest.raises(Exception, match="refused user|auth"):
+            with worker_view.client() as c:
+                c.put("/t/k", "w")

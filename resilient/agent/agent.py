@@ -73,7 +73,8 @@ class ResilientAgent(SimpleElasticAgent):
             from resilient.agent.store import NodeStoreService
 
             self.store = NodeStoreService(settings.store, settings.run_id, settings.node_id,
-                                          settings.etcd_endpoint, settings.etcd_factory, self._tmp, events)
+                                          settings.etcd_endpoint, settings.etcd_factory, self._tmp, events,
+                                          settings.etcd_conf)
             if registry is not None:
                 registry.update(store=self.store.server.address)
 

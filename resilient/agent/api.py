@@ -47,6 +47,7 @@ class AgentSettings:
     run_id: str = ""
     etcd_endpoint: str = ""
     etcd_factory: Any = None            # () -> EtcdClient, for the node store service
+    etcd_conf: dict[str, str] = field(default_factory=dict)  # TLS/auth keys of --rdzv-conf, for workers
     store: Any = None                   # resilient.agent.store.StoreSettings; None = no memory tiers
     worker_argv: list[str] = field(default_factory=list)
     worker_env: dict[str, str] = field(default_factory=dict)

@@ -40,7 +40,8 @@ class StoreSettings:
 
 class NodeStoreService:
     def __init__(self, settings: StoreSettings, run_id: str, node: str, endpoint: str,
-                 client_factory: Callable[[], Any], private_dir: Path, events: Any):
+                 client_factory: Callable[[], Any], private_dir: Path, events: Any,
+                 etcd_conf: dict[str, str] | None = None):
         self.run_id, self.node, self.endpoint, self.events = run_id, node, endpoint, events
         self.store = NodeStore(settings.base, run_id, node)
         reclaimed = self.store.create()
@@ -57,7 +58,7 @@ class NodeStoreService:
             self.store, self.client, run_id, node, secret, self.live_nodes,
             ReplicatorOptions(k=settings.replicas, keep=settings.keep, rate=settings.rate_bytes_s), events)
         self.info = StoreInfo(base=str(settings.base), run_id=run_id, node=node, etcd=endpoint,
-                              secret_file=str(self.secret_file))
+                              secret_file=str(self.secret_file), etcd_conf=dict(etcd_conf or {}))
 
     def live_nodes(self) -> dict[str, dict] | None:
         try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,10 @@ class StoreInfo:
     node: str
     etcd: str
     secret_file: str
+    # The TLS/auth keys of the agent's --rdzv-conf (ca_cert, cert, key, username, ...), so
+    # workers reach a secured etcd as the agent does. Never a password: the workers inherit
+    # RESILIENT_ETCD_PASSWORD from the agent's environment.
+    etcd_conf: dict = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> "StoreInfo | None":
@@ -65,6 +69,16 @@ class StoreInfo:
     def store(self) -> NodeStore:
         return NodeStore(self.base, self.run_id, self.node)
 
+    def client(self):
+        """An etcd client configured as the agent's (endpoints, TLS, auth)."""
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+        from resilient.rendezvous import client_from_params
+
+        conf = {"retry_timeout": 10.0, **self.etcd_conf}
+        return client_from_params(RendezvousParameters(backend="etcd3", endpoint=self.etcd, run_id=self.run_id,
+                                                       min_nodes=1, max_nodes=1, **conf))
+
     def secret(self) -> bytes:
         return bytes.fromhex(Path(self.secret_file).read_text().strip())
 
@@ -72,9 +86,7 @@ class StoreInfo:
 # ------------------------------------------------------------------ candidates
 def memory_plan(info: StoreInfo, limit: int = 4) -> list[dict]:
     """Rank 0: memory versions restorable from live holders, newest first (JSON-able)."""
-    from resilient.etcd import EtcdClient
-
-    with EtcdClient(info.etcd, retry_timeout=timedelta(seconds=10)) as client:
+    with info.client() as client:
         live = {}
         for kv in client.get_prefix(f"/resilient/{info.run_id}/nodes/"):
             try:
@@ -119,15 +131,13 @@ def forget_after(info: StoreInfo, step: int) -> None:
     so a version of the abandoned future is never restored later."""
     import base64
 
-    from resilient.etcd import EtcdClient
-
     ops = []
     for tier in ("local", "memory"):
         lo = f"/resilient/{info.run_id}/commit/{tier}/{step + 1:012d}"
         hi = f"/resilient/{info.run_id}/commit/{tier}/~"
         ops.append({"request_delete_range": {"key": base64.b64encode(lo.encode()).decode(),
                                              "range_end": base64.b64encode(hi.encode()).decode()}})
-    with EtcdClient(info.etcd, retry_timeout=timedelta(seconds=10)) as client:
+    with info.client() as client:
         client.txn([], ops, [])
 
 
