@@ -81,13 +81,8 @@ class TrainState:
         self._state: dict | None = None
         self._state_key: tuple = ()
         snap = cfg.snapshot
-        self.durable: Snapshotter | None = None
         self.last_saved = -1
         self.durable_step = -1  # newest step captured for (or restored from) the durable tier
-        if snap.durable_every or snap.durable_seconds or snap.resume:
-            self.durable = Snapshotter.from_config(
-                snap, durable_url(cfg, run_dir), events=events, layout=model.layout.as_dict(),
-                config_digest=cfg.digest())
         self.store = StoreInfo.from_env() if snap.every > 0 and snap.memory else None
         self.memory: Snapshotter | None = None
         if self.store is not None:
@@ -97,6 +92,12 @@ class TrainState:
                 config_digest=cfg.digest(), compress="none", threads=2, chunk_bytes=snap.chunk_mib << 20,
                 part_bytes=snap.part_mib << 20, commit=False,
                 retry=RetryPolicy(deadline=timedelta(seconds=2), attempts=2))
+        self.durable: Snapshotter | None = None
+        if snap.durable_every or snap.durable_seconds or snap.resume:
+            # One capture feeds both tiers: the durable writer shares the RAM store's buffers.
+            self.durable = Snapshotter.from_config(
+                snap, durable_url(cfg, run_dir), events=events, layout=model.layout.as_dict(),
+                config_digest=cfg.digest(), share_with=self.memory)
 
     def _identity(self) -> tuple:
         """Which tensor objects the state is made of: parameters and optimizer state.
@@ -190,9 +191,11 @@ class TrainState:
         extra = {"rng": rng_state()}
         position = self._global_extra(step)
         if memory:
-            self.memory.save(step, state, extra=extra, global_extra=position, force=True)
-        if durable:
+            self.memory.save(step, state, extra=extra, global_extra=position, force=True,
+                             also=(self.durable,) if durable else ())
+        elif durable:
             self.durable.save(step, state, extra=extra, global_extra=position, force=True)
+        if durable:
             self.durable_step = step
         self.last_saved = step
 

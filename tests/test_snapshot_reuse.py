@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch
 
 from resilient.snapshot import SnapshotReader, Snapshotter
@@ -51,3 +52,41 @@ def test_replaced_tensors_are_captured_not_the_old_ones(tmp_path):
         snap.wait(timedelta(seconds=30))
         got = read_back(url, state)
         assert torch.equal(got["w"], torch.full((3, 4), 7.0))
+
+
+def test_one_capture_feeds_two_tiers(tmp_path):
+    """A RAM-store writer and a durable writer share buffers: one copy, two versions written."""
+    state = {"w": torch.zeros(64, 8), "n": 0}
+    ram = Snapshotter(f"file://{tmp_path}/ram", every=1, config_digest="t", keep_last=2)
+    durable = Snapshotter(f"file://{tmp_path}/durable", every=3, config_digest="t", keep_last=10, share_with=ram)
+    assert len(ram._ring._slots) == 3  # one per writer, plus one to capture into
+    try:
+        for step in range(1, 10):
+            state["w"].fill_(step)
+            state["n"] = step
+            assert ram.save(step, state, also=(durable,) if durable.due(step) else ())
+        assert ram.wait(timedelta(seconds=30)) and durable.wait(timedelta(seconds=30))
+    finally:
+        ram.close()
+        durable.close()
+    # Durable holds only steps it was due at (a writer behind the captures skips to the newest).
+    steps = SnapshotReader(f"file://{tmp_path}/durable").complete_steps()
+    assert set(steps) <= {3, 6, 9} and steps[-1] == 9
+    for url, step in ((f"file://{tmp_path}/durable", 9), (f"file://{tmp_path}/ram", 9)):
+        r = SnapshotReader(url)
+        m = r.manifest(step)
+        assert torch.equal(r.read_region(m, "w"), torch.full((64, 8), float(step)))
+        assert m.values["n"] == step
+
+
+def test_sharing_needs_share_with(tmp_path):
+    a = Snapshotter(f"file://{tmp_path}/a", every=1)
+    b = Snapshotter(f"file://{tmp_path}/b", every=1)
+    try:
+        with pytest.raises(ValueError, match="share_with"):
+            a.save(1, {"w": torch.zeros(2)}, also=(b,))
+        with pytest.raises(ValueError, match="different URLs"):
+            Snapshotter(f"file://{tmp_path}/a", every=1, share_with=a)
+    finally:
+        a.close()
+        b.close()

@@ -6,11 +6,12 @@ in a flat host buffer and how those bytes are cut into chunks (rows of at
 most ``chunk_bytes``) and parts (objects of about ``part_bytes``). Buffers
 are reused: a fresh allocation costs ~4x a copy into warm memory here.
 
-Two buffers (a :class:`SlotRing`) double-buffer the uploader: one slot is
-being written out while the other takes the next capture. When storage is
-slower than the snapshot rate, a new capture overwrites the slot still
-*waiting* for upload (coalescing: the older version is skipped), never the
-one being written, so memory stays at two copies of the shard.
+A :class:`SlotRing` double-buffers the writers: one slot is being written
+out while another takes the next capture. When storage is slower than the
+snapshot rate, a new capture overwrites a slot still *waiting* for upload
+(coalescing: the older version is skipped), never one being written, so
+memory stays at (writers + 1) copies of the shard. Writers of several tiers
+share one ring: one capture feeds every tier.
 
 On CUDA the buffers are pinned and the copies are ``non_blocking`` on a side
 stream; an event marks their end, which the uploader waits for. The CPU path
@@ -112,7 +113,10 @@ class Slot:
     index: int
     buffer: torch.Tensor | None = None
     plan: CapturePlan | None = None
-    state: str = "free"  # free | capturing | pending | uploading
+    state: str = "free"  # free | capturing (a capture is being copied in)
+    targets: set = field(default_factory=set)  # consumers that must still write this version
+    busy: set = field(default_factory=set)     # consumers writing it now
+    carry: set = field(default_factory=set)    # consumers of the version being overwritten
     step: int = -1
     seq: int = 0
     values: dict = field(default_factory=dict)
@@ -150,20 +154,50 @@ class Slot:
 
 
 class SlotRing:
-    """Two slots shared by the capturing (training) thread and the uploader thread."""
+    """Host buffers shared by the capturing (training) thread and the writers ("consumers").
+
+    A slot moves through: free → capturing (the training thread copies into it)
+    → pending for some consumers (``targets``) → each consumer takes it (``busy``)
+    and releases it → free once no consumer still needs it. One capture can feed
+    several consumers (the node's RAM store and the durable tier): it is copied
+    once and written by each.
+
+    There is one slot per consumer plus one, so a capture never waits: each
+    consumer writes at most one slot at a time, which leaves a slot that is free
+    or only pending. Overwriting a pending slot (coalescing) hands its consumers
+    the newer capture instead: a slow consumer skips to the newest version, it
+    never loses its turn.
+    """
 
     def __init__(self, slots: int = 2):
         self._slots = [Slot(i) for i in range(slots)]
         self._cond = threading.Condition()
         self._stream = None
+        self._seq = 0
+
+    def next_seq(self) -> int:
+        """A number for the next capture: 0, 1, ... The same on every rank (all ranks
+        capture at the same steps), so it names the capture's attempt directory."""
+        with self._cond:
+            self._seq += 1
+            return self._seq - 1
+
+    def add_consumer(self) -> None:
+        """One more consumer shares this ring: one more slot."""
+        with self._cond:
+            self._slots.append(Slot(len(self._slots)))
 
     def acquire(self, plan: CapturePlan, pin: bool) -> tuple[Slot, int | None]:
         """A slot to capture into and the step it coalesces away (None if it was free)."""
         with self._cond:
-            pending = [s for s in self._slots if s.state == "pending"]
-            free = [s for s in self._slots if s.state == "free"]
-            slot = pending[0] if pending else free[0]
-            skipped = slot.step if pending else None
+            free = [s for s in self._slots if s.state == "free" and not s.targets and not s.busy]
+            if free:
+                slot, skipped = free[0], None
+            else:
+                pending = [s for s in self._slots if s.state == "free" and not s.busy]
+                slot = min(pending, key=lambda s: s.step)
+                skipped = slot.step
+            slot.carry, slot.targets = set(slot.targets), set()
             slot.state = "capturing"
         if slot.buffer is None or slot.buffer.numel() < plan.total_bytes or slot.buffer.is_pinned() != pin:
             slot.buffer = torch.empty(max(plan.total_bytes, 1), dtype=torch.uint8, pin_memory=pin)
@@ -172,8 +206,10 @@ class SlotRing:
 
     def preallocate(self, plan: CapturePlan, pin: bool) -> None:
         """Allocate every free slot's buffer for ``plan`` and touch its pages."""
-        for slot in self._slots:
-            if slot.state == "free" and (slot.buffer is None or slot.buffer.numel() < plan.total_bytes):
+        with self._cond:
+            idle = [s for s in self._slots if s.state == "free" and not s.targets and not s.busy]
+        for slot in idle:
+            if slot.buffer is None or slot.buffer.numel() < plan.total_bytes:
                 slot.buffer = torch.zeros(max(plan.total_bytes, 1), dtype=torch.uint8, pin_memory=pin)
 
     def copy_into(self, slot: Slot, tensors: dict[str, torch.Tensor], overlap: bool) -> None:
@@ -208,36 +244,52 @@ class SlotRing:
         for e in events:
             torch.cuda.current_stream().wait_event(e)
 
-    def publish(self, slot: Slot) -> None:
+    def publish(self, slot: Slot, targets: set[str]) -> None:
+        """The capture in ``slot`` is complete: pending for ``targets`` (and for the
+        consumers of the version it overwrote)."""
         with self._cond:
-            slot.state = "pending"
+            slot.targets = set(targets) | slot.carry
+            slot.carry = set()
+            slot.state = "free"
             self._cond.notify_all()
 
-    def take(self, timeout: timedelta) -> Slot | None:
-        """The pending slot, marked uploading; None after ``timeout`` without one."""
+    def abandon(self, slot: Slot) -> None:
+        """A capture failed: the slot is free (its previous consumers lost that version)."""
+        with self._cond:
+            slot.carry, slot.targets, slot.state = set(), set(), "free"
+            self._cond.notify_all()
+
+    def take(self, consumer: str, timeout: timedelta) -> Slot | None:
+        """The newest slot pending for ``consumer``, now busy with it; None after ``timeout``."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._cond:
             while True:
-                pending = [s for s in self._slots if s.state == "pending"]
+                pending = [s for s in self._slots if consumer in s.targets and s.state == "free"]
                 if pending:
                     slot = max(pending, key=lambda s: s.step)
-                    slot.state = "uploading"
+                    for older in pending:  # superseded for this consumer: it skips to the newest
+                        older.targets.discard(consumer)
+                    slot.busy.add(consumer)
+                    self._cond.notify_all()
                     return slot
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self._cond.wait(left)
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: Slot, consumer: str) -> None:
         with self._cond:
-            slot.state = "free"
+            slot.busy.discard(consumer)
             self._cond.notify_all()
 
-    def wait_idle(self, timeout: timedelta) -> bool:
-        """Wait until nothing is pending or uploading."""
+    def wait_idle(self, timeout: timedelta, consumer: str | None = None) -> bool:
+        """Wait until nothing is pending or being written (for ``consumer``, or for any)."""
+        def working(s: Slot) -> bool:
+            return bool(s.targets | s.busy) if consumer is None else consumer in (s.targets | s.busy)
+
         deadline = time.monotonic() + timeout.total_seconds()
         with self._cond:
-            while any(s.state in ("pending", "uploading") for s in self._slots):
+            while any(working(s) for s in self._slots):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

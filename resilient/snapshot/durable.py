@@ -91,8 +91,10 @@ class Uploader:
     """One rank's background writer: takes captured slots and streams them to storage."""
 
     def __init__(self, fs, root: str, rank: int, world: int, ring: SlotRing, opts: DurableOptions,
-                 events: Any, layout: dict, config_digest: str, committer: "Committer | None"):
+                 events: Any, layout: dict, config_digest: str, committer: "Committer | None",
+                 consumer: str = "durable"):
         self.fs, self.root, self.rank, self.world = fs, root, rank, world
+        self.consumer = consumer  # its name in the (possibly shared) ring
         self.ring, self.opts, self.events = ring, opts, events
         self.layout, self.config_digest, self.committer = layout, config_digest, committer
         self.attempt = ""
@@ -108,7 +110,7 @@ class Uploader:
     def _run(self) -> None:
         _background_priority()
         while True:
-            slot = self.ring.take(timedelta(milliseconds=200))
+            slot = self.ring.take(self.consumer, timedelta(milliseconds=200))
             if slot is None:
                 if self._stop.is_set():
                     return
@@ -121,7 +123,7 @@ class Uploader:
                      error=f"{type(e).__name__}: {e}", obj=getattr(e, "obj", None))
                 warnings.warn(f"snapshot upload of step {slot.step} failed, training goes on: {e}", RuntimeWarning)
             finally:
-                self.ring.release(slot)
+                self.ring.release(slot, self.consumer)
 
     def _write_part(self, vdir: str, obj: str, slot: Slot, idxs: list[int], views: list[memoryview],
                     retries: list[int]) -> list[tuple[str, ChunkRecord]]:
@@ -186,7 +188,7 @@ class Uploader:
             self.committer.add(slot.step, adir)
 
     def close(self, timeout: timedelta) -> None:
-        self.ring.wait_idle(timeout)
+        self.ring.wait_idle(timeout, self.consumer)
         self._stop.set()
         self.ring.wake()
         self._thread.join(timeout.total_seconds())

@@ -64,6 +64,9 @@ class Snapshotter:
     - ``overlap``: on CUDA, let the next kernels run before the device-to-host
       copy ends; then call :meth:`fence` before modifying the parameters
       (i.e. before ``optimizer.step()``).
+    - ``share_with``: another Snapshotter whose host buffers this one shares, so
+      one capture can feed both (``other.save(..., also=[this])``): the node's
+      RAM store and the durable tier write the same copy of the state.
     """
 
     def __init__(self, url: str, *, every: int = 1, seconds: float = 0.0, events: Any = None,
@@ -72,7 +75,7 @@ class Snapshotter:
                  part_bytes: int = 64 << 20, chunk_bytes: int = 16 << 20,
                  storage_options: dict | None = None, retry: RetryPolicy = RetryPolicy(),
                  commit_timeout: timedelta = timedelta(minutes=30), overlap: bool = False,
-                 commit: bool = True):
+                 commit: bool = True, share_with: "Snapshotter | None" = None):
         self.url, self.every, self.seconds, self.events = url, every, seconds, events
         self.rank, self.world = _rank_world()
         if seconds > 0 and self.world > 1:
@@ -88,14 +91,18 @@ class Snapshotter:
                                    keep_every=keep_every, part_bytes=part_bytes, chunk_bytes=chunk_bytes,
                                    commit_timeout=commit_timeout, retry=retry)
         fs, root = open_url(url, storage_options)
-        self._ring = SlotRing(2)
+        if share_with is not None and share_with.url == url:
+            raise ValueError(f"two Snapshotters sharing captures must write to different URLs, not both to {url}")
+        self._ring = SlotRing(2) if share_with is None else share_with._ring
+        if share_with is not None:
+            self._ring.add_consumer()
+        self._consumer = url  # this Snapshotter's name in the (possibly shared) ring
         self._committer = Committer(fs, root, self.world, self.opts, events, url) if self.rank == 0 and commit else None
         self._uploader = Uploader(fs, root, self.rank, self.world, self._ring, self.opts, events,
-                                  self.layout, config_digest, self._committer)
+                                  self.layout, config_digest, self._committer, self._consumer)
         self._plan = None
         self._sig: tuple = ((), ())
         self._held: list[torch.Tensor] = []
-        self._seq = 0  # captures so far: the same on every rank
         self._plain_writers: set[str] | None = None  # None: this rank writes every plain tensor
         self._last_time = time.monotonic()
         self._closed = False
@@ -137,15 +144,19 @@ class Snapshotter:
         self._uploader.attempt = token
 
     def save(self, step: int, state: dict, extra: Any = None, global_extra: Any = None,
-             force: bool = False) -> bool:
+             force: bool = False, also: tuple["Snapshotter", ...] = ()) -> bool:
         """Capture ``state`` as version ``step`` if due (or ``force``); returns whether it did.
 
         Blocks only for the copy into host memory. ``extra`` is this rank's
         JSON state (RNG, ...); ``global_extra`` (rank 0's is kept) is the
         run's (data position, scheduler). Non-tensor leaves of ``state`` are
-        stored as JSON (the lowest rank holding a name writes it)."""
+        stored as JSON (the lowest rank holding a name writes it). ``also``:
+        Snapshotters made with ``share_with=self`` that write this same capture."""
         if self._closed or not (force or self.due(step)):
             return False
+        for other in also:
+            if other._ring is not self._ring:
+                raise ValueError(f"{other.url} does not share captures with {self.url} (share_with=)")
         t0 = time.perf_counter()
         tensors, values = split_state(state)
         # The same tensor objects as last time (a training loop reusing its state dict):
@@ -170,16 +181,19 @@ class Snapshotter:
             with torch.no_grad():
                 self._ring.copy_into(slot, tensors, self.overlap)
         except BaseException:
-            self._ring.release(slot)
+            self._ring.abandon(slot)
             raise
-        slot.step, slot.seq, slot.extra, slot.global_extra = step, self._seq, frozen["extra"], frozen["global"]
-        self._seq += 1
+        slot.step, slot.seq, slot.extra, slot.global_extra = step, self._ring.next_seq(), frozen["extra"], frozen["global"]
         slot.values = frozen["values"]
-        self._ring.publish(slot)
+        for other in also:  # they write under this one's attempt token (agreed by all ranks)
+            other._uploader.attempt = self._uploader.attempt
+            other._last_time = time.monotonic()
+        self._ring.publish(slot, {self._consumer, *(o._consumer for o in also)})
         self._last_time = time.monotonic()
         blocked = time.perf_counter() - t0
-        emit(self.events, "snapshot", step=step, bytes=self._plan.total_bytes, blocked_s=round(blocked, 6),
-             coalesced=skipped)
+        for sink in {id(x.events): x.events for x in (self, *also)}.values():
+            emit(sink, "snapshot", step=step, bytes=self._plan.total_bytes, blocked_s=round(blocked, 6),
+                 coalesced=skipped)
         return True
 
     def prepare(self, state: dict) -> None:
@@ -211,7 +225,7 @@ class Snapshotter:
     # ------------------------------------------------------------ lifecycle
     def wait(self, timeout: timedelta = timedelta(minutes=10)) -> bool:
         """Wait until captured versions are written (and, on rank 0, committed when possible)."""
-        ok = self._ring.wait_idle(timeout)
+        ok = self._ring.wait_idle(timeout, self._consumer)
         if self._committer is not None:
             ok = self._committer.wait_idle(timeout) and ok
         return ok
