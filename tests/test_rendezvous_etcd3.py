@@ -294,3 +294,27 @@ def test_workers_reach_a_secured_etcd_as_the_agent_does(tmp_path, monkeypatch):
         with pytest.raises(Exception, match="refused user|auth"):
             with worker_view.client() as c:
                 c.put("/t/k", "w")
+
+
+def test_event_records_name_the_same_method_without_inspect_stack():
+    """register() swaps torch's slow get_method_name for an equivalent: same names."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from resilient.rendezvous import register
+
+    register()
+
+    def torch_original(depth=2):  # what torch 2.13 does
+        return inspect.stack()[depth].function if len(inspect.stack()) > depth else "no_method_name"
+
+    class Handler:
+        def _record(self):
+            return dynamic_rendezvous.get_method_name(), torch_original()
+
+        def next_rendezvous(self):
+            return self._record()
+
+    assert Handler().next_rendezvous() == ("next_rendezvous", "next_rendezvous")
+    assert dynamic_rendezvous.get_method_name(10_000) == "no_method_name"

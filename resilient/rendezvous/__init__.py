@@ -4,6 +4,11 @@
 ``torchrun`` finds it through the ``torchrun.handlers`` entry point.
 """
 
+# torch discovers out-of-tree handlers (our entry point) when its rendezvous package is
+# first imported; importing it before our modules lets that discovery load them whole,
+# instead of meeting this package half-initialized (an ImportError logged as a warning).
+import torch.distributed.elastic.rendezvous  # noqa: F401  (first, see above)
+
 from resilient.rendezvous.api import (
     RendezvousConfigError,
     RendezvousError,

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +55,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     rendezvous_handler_registry,
 )
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
@@ -207,8 +209,28 @@ def create_etcd3_handler(params: RendezvousParameters | None = None) -> Any:
     return _create_handler(params)
 
 
+def _method_name(depth: int = 2) -> str:
+    """What torch's ``dynamic_rendezvous.get_method_name`` answers (the name of the function
+    ``depth`` frames up), without ``inspect.stack()``: see :func:`speed_up_event_records`."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
+
+
+def speed_up_event_records() -> None:
+    """torch's rendezvous records an event at every state change, naming the calling method
+    with ``inspect.stack()``, twice; that reads the source lines of every frame on the stack.
+    Measured here (py-spy on an agent restarting after kill -9, load ~15): 0.8 s of a 1.1 s
+    rendezvous round. The same name from ``sys._getframe`` costs microseconds."""
+    if getattr(dynamic_rendezvous, "get_method_name", None) is not None:
+        dynamic_rendezvous.get_method_name = _method_name
+
+
 def register() -> None:
-    """Register ``etcd3`` in torch's rendezvous handler registry. Idempotent."""
+    """Register ``etcd3`` in torch's rendezvous handler registry (idempotent), and make its
+    event records cheap (:func:`speed_up_event_records`)."""
+    speed_up_event_records()
     try:
         # torch accepts re-registering the same creator (the entry point may have done it).
         rendezvous_handler_registry.register(BACKEND_NAME, create_etcd3_handler)
