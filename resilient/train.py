@@ -35,7 +35,7 @@ from resilient.model import flops_per_token, init_parameters
 from resilient.optim import Optimizers, clip_grad_norm, lr_at
 from resilient.parallel import ParallelModel, build_layout, build_model
 from resilient.progress import ProgressLine, device_peak_tflops
-from resilient.sdc.api import Action
+from resilient.sdc.api import Action, SdcError
 from resilient.sdc.inject import BitFlipInjector, FlipSpec
 from resilient.sdc.monitor import SdcMonitor
 from resilient.train_state import TrainState
@@ -110,8 +110,15 @@ class Trainer:
         self.corpus.check_vocab(cfg.model.vocab_size, cfg.source)
         self.sdc = self._build_sdc()
         self.flips = [BitFlipInjector(FlipSpec.from_dict(dict(d)), self.rank,
-                                      log=lambda rec: self.events.emit("fault_injected", **rec))
+                                      log=lambda rec: self.events.emit("fault_injected", **rec),
+                                      node=node or "", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
                       for d in cfg.sdc.inject]
+        for flip in self.flips:   # activation flips fire from a forward hook on the module they name
+            if flip.spec.target == "activation" and flip.here():
+                part = next((m for m in self.model.parts if flip.spec.tensor in dict(m.named_modules())), None)
+                if part is None:
+                    raise SdcError(f"sdc.inject: no module {flip.spec.tensor!r} on rank {self.rank} for an activation flip")
+                flip.attach(part)
         self.heartbeat = HeartbeatWriter.from_env()
         self.state = TrainState(cfg, self.run_dir, self.model, self.optimizer, self.events)
         # Completed steps; the next step to run is self.step + 1 and its first

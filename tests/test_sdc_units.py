@@ -82,6 +82,37 @@ def test_injector_transient_fires_once_persistent_every_step():
         FlipSpec.from_dict({"target": "weights", "tensor": "w", "bit": 1})
 
 
+def test_injector_pinned_to_a_node_follows_the_device_not_the_rank():
+    """A bad device stays bad whichever rank it gets; the rank it had goes to healthy hardware."""
+    m = torch.nn.Linear(3, 2)
+    spec = FlipSpec.from_dict({"target": "param", "tensor": "weight", "bit": 31, "node": "b", "step": 0,
+                               "persistent": True})
+    on_b = BitFlipInjector(spec, rank=0, node="b", local_rank=0)      # b now holds rank 0
+    rec = on_b.maybe_inject(0, m)
+    assert rec and rec["device"] == "b:0" and rec["rank"] == 0
+    assert BitFlipInjector(spec, rank=1, node="c", local_rank=0).maybe_inject(0, m) is None   # the spare: healthy
+    assert BitFlipInjector(spec, rank=1, node="b", local_rank=1).maybe_inject(0, m) is None   # b's other device
+    with pytest.raises(SdcError):
+        FlipSpec.from_dict({"target": "param", "tensor": "weight", "bit": 31, "node": 3})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bit", [0, 1, 2, 6, 7, 14, 15])
+def test_at_rest_bitsum_delta_names_the_flipped_bit_and_only_bits_0_1_are_harmless(dtype, bit):
+    from resilient.sdc.checksums import harmless_bound
+    from resilient.sdc.monitor import at_rest_delta
+
+    torch.manual_seed(bit)
+    t = torch.randn(1000).to(dtype)
+    before = int(bitsum(t))
+    old, new = flip_bit(t, 123, bit)
+    delta, harmless = at_rest_delta(int(bitsum(t)) - before)
+    assert abs(delta) == (1 << bit)
+    assert harmless == (bit <= 1)
+    if harmless:   # agrees with the value-based bound
+        assert abs(new - old) <= harmless_bound(dtype, float(t.abs().max()), float(t.abs().sum()), t.numel())
+
+
 def test_injector_optimizer_state_and_activation():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))

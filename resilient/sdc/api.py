@@ -159,4 +159,4 @@ class SdcConfig:
     probe_reduce: int = knob(1 << 20, "elements of the reduction probe")
     probe_dtypes: tuple[str, ...] = knob(("float32", "bfloat16"), "dtypes the probes test (the ones training uses)")
     probe_seed: int = knob(1234, "seed of the probe inputs (known answers are recomputed from it)")
-    inject: tuple[dict, ...] = knob((), "bit flips to inject, for tests and drills: tables of resilient.sdc.inject.FlipSpec fields, e.g. {target = 'grad', tensor = 'layers.0.attention.wq.weight', bit = 30, rank = 1, step = 5}")
+    inject: tuple[dict, ...] = knob((), "bit flips to inject, for tests and drills: tables of resilient.sdc.inject.FlipSpec fields, e.g. {target = 'grad', tensor = 'layers.0.attention.wq.weight', bit = 30, rank = 1, step = 5}; node = 'b' (and local_rank) instead of rank pins a bad device, which keeps its fault whatever rank it gets")

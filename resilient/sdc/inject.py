@@ -33,6 +33,13 @@ class FlipSpec:
     tensor (the local shard of a DTensor); negative counts from the end.
     ``persistent`` flips at every call from ``step`` on, replays included
     (a bad device); otherwise once (a transient fault), and not again on replay.
+
+    Where: ``rank`` (a global rank) by default. A bad *device* keeps computing
+    wrong answers whichever rank the job gives it, and the rank it held goes to
+    whoever replaces it: give ``node`` (the agent's ``--node-id``) and
+    ``local_rank`` to pin the fault to hardware instead; ``rank`` is then
+    ignored. That is the fault model of quarantine: the spare that takes the
+    rank over computes right.
     """
 
     target: str
@@ -43,10 +50,14 @@ class FlipSpec:
     element: int = 0
     persistent: bool = False
     state_key: str = "exp_avg"   # optimizer state entry for target="optim_state"
+    node: str = ""               # pin to a device: this node's ...
+    local_rank: int = 0          # ... local rank (only with ``node``)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise SdcError(f"FlipSpec.target={self.target!r}; use one of {TARGETS}")
+        if not isinstance(self.node, str):
+            raise SdcError(f"FlipSpec.node={self.node!r}; expected a node id (a string)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FlipSpec":
@@ -92,14 +103,22 @@ class BitFlipInjector:
     dict per flip (the chaos harness turns them into ``fault_injected`` events).
     """
 
-    def __init__(self, spec: FlipSpec, rank: int, log: Callable[[dict], None] | None = None):
+    def __init__(self, spec: FlipSpec, rank: int, log: Callable[[dict], None] | None = None,
+                 node: str = "", local_rank: int = 0):
         self.spec, self.rank, self.log = spec, rank, log
+        self.node, self.local_rank = node, local_rank
         self.fired = 0
         self.current_step = -1
         self._handle = None
 
+    def here(self) -> bool:
+        """Is the faulty device (or rank) the one this injector runs on?"""
+        if self.spec.node:
+            return (self.node, self.local_rank) == (self.spec.node, self.spec.local_rank)
+        return self.rank == self.spec.rank
+
     def _due(self, step: int) -> bool:
-        if self.rank != self.spec.rank:
+        if not self.here():
             return False
         if self.spec.persistent:
             return step >= self.spec.step
@@ -109,7 +128,8 @@ class BitFlipInjector:
         old, new = flip_bit(t, self.spec.element, self.spec.bit)
         self.fired += 1
         rec = {"fault": "bitflip", "target": self.spec.target, "tensor": what, "bit": self.spec.bit,
-               "element": self.spec.element, "step": step, "rank": self.rank, "old": old, "new": new}
+               "element": self.spec.element, "step": step, "rank": self.rank, "old": old, "new": new,
+               **({"device": f"{self.node}:{self.local_rank}"} if self.spec.node else {})}
         if self.log:
             self.log(rec)
         return rec

@@ -56,8 +56,7 @@ from torch import nn
 
 from resilient.sdc.api import (KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA, Action,
                                Decision, SdcConfig, SdcDetected, Suspicion, Verdict)
-from resilient.sdc.checksums import (AMAX, L1, SUM, RobustSpike, bitsum, compare_replicas, harmless_bound, local,
-                                     stats, sums_and_bits)
+from resilient.sdc.checksums import RobustSpike, bitsum, compare_replicas, local
 from resilient.sdc.probes import Prober
 from resilient.sdc.reduction import ReductionCheck, attach_fsdp
 from resilient.sdc.replay import EXACT_KINDS, Match, ReplayStateMachine, compare, fingerprint
@@ -87,6 +86,29 @@ def _named_params(model_parts: Parts) -> list[tuple[str, nn.Parameter]]:
         prefix = f"{i}:" if not isinstance(model_parts, nn.Module) else ""
         out += [(prefix + n, p) for n, p in m.named_parameters()]
     return out
+
+
+def _bitsums(tensors) -> torch.Tensor:
+    """int64 host tensor of the int32 bit-sums of the local tensors (one copy)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([bitsum(local(t).detach()) for t in tensors]).to(torch.int64).cpu()
+
+
+def at_rest_delta(delta: int) -> tuple[int, bool]:
+    """(the bit-sum change mod 2**32 as a signed number, harmless?) of a tensor at rest.
+
+    One flip of bit ``k`` changes the bit-sum by ±2**k. A flip of mantissa bit
+    ``k`` of an element ``x`` changes it by ``2**(k - mantissa_bits)·2**e(x) ≤
+    2**(k - mantissa_bits)·amax``; the harmless bound of a rounding is
+    ``4u·amax = 2**(1 - mantissa_bits)·amax`` (see
+    :func:`~.checksums.harmless_bound`), so exactly the flips of bits 0 and 1
+    are harmless, whatever the dtype and without the old value: the record
+    after the optimizer step needs the bit-sums only (no float64 pass).
+    Anything else (a higher bit, several elements) is not.
+    """
+    delta = (delta + (1 << 31)) % (1 << 32) - (1 << 31)
+    return delta, abs(delta) in (1, 2)
 
 
 def device_id(device: torch.device | str | None = None) -> str:
@@ -135,11 +157,12 @@ class SdcMonitor:
         self.sm = ReplayStateMachine(max_transients=self.cfg.max_transients)
         self.loss_spikes: dict[int, RobustSpike] = {}
         self.devices: dict[int, str] = {}
-        self._at_rest: tuple[int, list[str], tuple[torch.Tensor, torch.Tensor]] | None = None  # (step, names, (sums, bits))
+        self._at_rest: tuple[int, list[str], torch.Tensor] | None = None  # (step, names, bit-sums)
         self._last_verified = -1   # newest step whose parameters a check verified clean
         self._external: list[Suspicion] = []
         self._hook_seconds = 0.0
         self._probe_seen = 0
+        self._named: tuple[list, list] | None = None   # (each part's first parameter, named parameters)
         if self.cfg.enable and self.cfg.probe_every > 0:
             self.prober.start(timedelta(seconds=self.cfg.probe_every))
 
@@ -192,6 +215,17 @@ class SdcMonitor:
         if self.events is not None and self.rank == 0:
             self.events.emit(event, **fields)
 
+    def _params(self, model_parts: Parts) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of ``model_parts``, listed once per model (every step
+        walks them twice; FSDP2's sharded parameters keep their identity; each
+        part's first parameter witnesses that nothing re-bound them since)."""
+        parts = _parts(model_parts)
+        firsts = [next(iter(m.parameters()), None) for m in parts]
+        if self._named is None or len(firsts) != len(self._named[0]) or any(
+                a is not b for a, b in zip(firsts, self._named[0])):
+            self._named = (firsts, _named_params(model_parts))
+        return self._named[1]
+
     def _due(self, step: int, every: int) -> bool:
         return self.cfg.enable and every > 0 and step % every == 0
 
@@ -227,36 +261,37 @@ class SdcMonitor:
         merged.sort(key=lambda s: (s.rank, s.kind, s.tensor))
         return merged, [e for _, e in out]
 
-    def _exchange_scalars(self, loss: float | None, n_local: int) -> torch.Tensor:
-        """All-gather (loss, has_loss, n_suspicions) of every rank: ``[world, 3]``."""
+    def _fusable(self) -> bool:
+        """Can the reduction checks share the scalars' all_gather? Yes when their
+        dp group is the monitor's whole group, in the same order (no tp, no pp)."""
+        return bool(self.reductions) and all(chk.ranks == self.granks for chk in self.reductions)
+
+    def _exchange_scalars(self, loss: float | None, n_local: int, tables=()) -> torch.Tensor:
+        """All-gather (loss, has_loss, n_suspicions, *flattened tables) of every rank: ``[world, 3 + ...]``."""
         v = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0, float(n_local)],
                          dtype=torch.float64)
+        if tables:
+            v = torch.cat([v] + [t.reshape(-1) for t in tables])
         if not dist.is_initialized() or self.world == 1:
             return v.unsqueeze(0)
         dev = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        out = [torch.empty(3, dtype=torch.float64, device=dev) for _ in range(self.world)]
+        out = [torch.empty(v.numel(), dtype=torch.float64, device=dev) for _ in range(self.world)]
         dist.all_gather(out, v.to(dev), group=self.group)
         return torch.stack(out).cpu()
 
     def _at_rest_check(self, step: int, model_parts: Parts) -> list[Suspicion]:
         if self._at_rest is None:
             return []
-        rec_step, names, (sums, bits) = self._at_rest
-        params = dict(_named_params(model_parts))
-        # clean path: one int32 bit-sum per tensor (every single-bit flip changes it)
-        now_bits = torch.stack([bitsum(local(params[n]).detach()).to(torch.int64) for n in names]).cpu()
+        rec_step, names, bits = self._at_rest
+        params = dict(self._params(model_parts))
+        # one int32 bit-sum per tensor (every single-bit flip changes it)
+        now_bits = _bitsums([params[n] for n in names])
         out = []
         for i in torch.nonzero(now_bits != bits).flatten().tolist():
-            p = params[names[i]]
-            now = stats([p])[0]
-            d = abs(float(now[SUM]) - float(sums[i]))
-            # amax / L1 of the tensor as it is now: a flip big enough to change them is far
-            # beyond the harmless bound anyway (x·2**k has Δ ≈ its own magnitude ≫ 4u·amax)
-            bound = harmless_bound(local(p).dtype, float(now[AMAX]), float(now[L1]), local(p).numel())
+            delta, harmless = at_rest_delta(int(now_bits[i]) - int(bits[i]))
             out.append(Suspicion(step=step, rank=self.rank, kind=KIND_AT_REST, tensor=names[i],
-                                 device=self._devices()[self.rank],
-                                 harmless=math.isfinite(d) and d <= bound,
-                                 evidence={"hashed_after_step": rec_step, "dsum": d, "harmless_bound": bound}))
+                                 device=self._devices()[self.rank], harmless=harmless,
+                                 evidence={"hashed_after_step": rec_step, "bitsum_delta": delta}))
         return out
 
     def _grad_checks(self, step: int, judge: bool) -> list[Suspicion]:
@@ -304,7 +339,13 @@ class SdcMonitor:
         if not grads_due:
             for chk in self.reductions:
                 chk.reset()
-        if grads_due:
+        fused = grads_due and self._fusable()
+        if fused:   # the reductions' tables ride in the scalars' all_gather: one collective
+            mine, self._external = self._external, []
+            for rs in self.replicas:
+                if rs.what == "grad":
+                    mine += compare_replicas(rs.tensors(), rs.group, step=step)
+        elif grads_due:
             mine = self._grad_checks(step, judge=True)
         else:
             mine, self._external = self._external, []
@@ -313,11 +354,20 @@ class SdcMonitor:
         mine += self._probe_suspicions(step)
         self._at_rest = None
         lval = float(loss) if loss is not None else None
-        scalars = self._exchange_scalars(lval, len(mine))
+        tables = [chk.local_rows() for chk in self.reductions] if fused else []
+        scalars = self._exchange_scalars(lval, len(mine), tables)
+        agreed = []   # judged from the gathered tables: identical on every rank already
+        off = 3
+        for chk, t in zip(self.reductions if fused else [], tables):
+            k = t.numel()
+            agreed += chk.judge(step, scalars[:, off:off + k].reshape(self.world, *t.shape), judge_spikes=True)
+            off += k
+        scalars = scalars[:, :3]
         loss_sus = self._loss_checks(step, scalars, judge=grads_due)
         sus = mine
         if scalars[:, 2].max() > 0:
             sus, _ = self._agree(mine)
+        sus = sus + agreed
         sus = self._finish(step, sorted(sus + loss_sus, key=lambda s: (s.rank, s.kind, s.tensor)))
         if at_rest_step is not None and not any(s.kind == KIND_AT_REST and not s.harmless for s in sus):
             self._last_verified = max(self._last_verified, at_rest_step)   # that version's parameters held
@@ -403,8 +453,8 @@ class SdcMonitor:
         if not self._due(step, self.cfg.param_check_every):
             return Decision()
         self._devices()
-        named = _named_params(model_parts)
-        self._at_rest = (step, [n for n, _ in named], sums_and_bits([p for _, p in named]))
+        named = self._params(model_parts)
+        self._at_rest = (step, [n for n, _ in named], _bitsums([p for _, p in named]))
         psets = [rs for rs in self.replicas if rs.what == "param"]
         if not psets:
             return Decision()

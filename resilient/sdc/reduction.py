@@ -155,7 +155,8 @@ class CheckedReduceScatter(ReduceScatter):
             self.unit.in_sum.append(torch.stack([f64_sum(row) for row in x]))   # per destination rank
             # L1 only scales the bound: fp32 accumulation (relative error ~1e-4 at worst) is
             # plenty against a safety factor of 2, and 2x cheaper than float64 on CPU
-            self.unit.in_l1.append(torch.stack([torch.linalg.vector_norm(row, 1) for row in x]).to(torch.float64))
+            # (abs().sum: one pass, ~2.4x cheaper than vector_norm(ord=1) on CPU, measured)
+            self.unit.in_l1.append(x.abs().sum(dim=1).to(torch.float64))
         self.unit.numel += x.shape[1] * n
         self.unit.seconds += time.perf_counter() - t0
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
@@ -193,6 +194,16 @@ class ReductionCheck:
         """Compare inputs and outputs of this step's reductions; collective over the dp group."""
         if not self.units:
             return []
+        return self.judge(step, gather_stats(self.local_rows(), self.group), judge_spikes)
+
+    def width(self) -> int:
+        """Numbers per unit in :meth:`local_rows`."""
+        return 2 * self.units[0].world + 4 if self.units else 0
+
+    @torch.no_grad()
+    def local_rows(self) -> torch.Tensor:
+        """This rank's ``[units, 2N+4]`` float64 host table (no communication):
+        per destination rank the input sums and L1s, the output sum, calls, numel."""
         n = self.units[0].world
         dev = self.units[0].params()[0].device if self.units[0].params() else torch.device("cpu")
         sums, l1s, outs = [], [], []
@@ -205,9 +216,12 @@ class ReductionCheck:
         # one device->host copy for all units (one sync on CUDA)
         dev_part = torch.cat([torch.stack(sums), torch.stack(l1s), torch.stack(outs).unsqueeze(1)], dim=1).cpu()
         host_part = torch.tensor([[0.0, len(u.in_sum), u.numel] for u in self.units], dtype=torch.float64)
-        rows = list(torch.cat([dev_part, host_part], dim=1))
-        mine = torch.stack(rows)                      # [U, 2N+4]
-        allr = gather_stats(mine, self.group)         # [N, U, 2N+4]
+        return torch.cat([dev_part, host_part], dim=1)          # [U, 2N+4]
+
+    def judge(self, step: int, allr: torch.Tensor, judge_spikes: bool = True) -> list[Suspicion]:
+        """Suspicions from every dp rank's :meth:`local_rows` (``[N, U, 2N+4]``, in
+        group order); the same on every rank. Forgets this step's records."""
+        n = self.units[0].world
         self.reset()
         out: list[Suspicion] = []
         bad_in = set()
