@@ -38,6 +38,7 @@ from resilient.progress import ProgressLine, device_peak_tflops
 from resilient.sdc.api import Action, SdcError
 from resilient.sdc.inject import BitFlipInjector, FlipSpec
 from resilient.sdc.monitor import SdcMonitor
+from resilient.sdc.reduction import pipeline_post_scale
 from resilient.train_state import TrainState
 
 DIST_TIMEOUT = timedelta(minutes=5)
@@ -138,17 +139,12 @@ class Trainer:
     def _build_sdc(self) -> SdcMonitor | None:
         if not self.cfg.sdc.enable:
             return None
-        if self.layout.pp > 1:
-            # Not yet validated with the pipeline schedules (they run backward
-            # per micro-batch inside the schedule): the checks raised false
-            # alarms there. Off, and said so, rather than wrong.
-            if self.rank == 0:
-                self.events.emit("sdc_verdict", step=0, verdict="disabled",
-                                 detail="SDC checks are not supported with pipeline parallelism (pp > 1) yet")
-            return None
         monitor = SdcMonitor(self.cfg.sdc, events=self.events, device=self.device)
         if self.layout.dp > 1:
-            monitor.watch_fsdp(self.model.parts)  # linear checks of FSDP2's reduce-scatters
+            # Linear checks of FSDP2's reduce-scatters. A pipeline schedule reduces
+            # once per stage after the last micro-batch, then divides the reduced
+            # gradients by the micro-batch count: the check must expect that.
+            monitor.watch_fsdp(self.model.parts, post_scale=pipeline_post_scale(self.model.schedule))
         if self.layout.tp > 1:
             # Norm weights are replicated across tp: their gradients must agree bitwise.
             norms = [(n, p) for n, p in self.model.named_parameters() if n.endswith("norm.weight")]

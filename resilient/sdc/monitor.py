@@ -179,13 +179,21 @@ class SdcMonitor:
                 for r in results if not r.ok]
 
     # ---- registration -------------------------------------------------
-    def watch_fsdp(self, model_parts: Parts, group=None) -> None:
-        """Linear checks on every FSDP2 unit of ``model_parts`` (call after fully_shard)."""
+    def watch_fsdp(self, model_parts: Parts, group=None, post_scale: float = 1.0) -> None:
+        """Linear checks on every FSDP2 unit of ``model_parts`` (call after fully_shard).
+
+        ``post_scale``: what the loop multiplies the reduced gradients by before
+        :meth:`after_backward` sees them; a pipeline schedule divides them by
+        its micro-batch count (pass :func:`~.reduction.pipeline_post_scale`).
+        With several parts (pipeline stages of one rank) each gets its own
+        check over its own dp group.
+        """
         if not self.cfg.enable:
             return
         for m in _parts(model_parts):
             chk = attach_fsdp(m, group, safety=self.cfg.bound_safety, spike_k=self.cfg.grad_spike_k,
-                              spike_window=self.cfg.spike_window, spike_warmup=self.cfg.spike_warmup)
+                              spike_window=self.cfg.spike_window, spike_warmup=self.cfg.spike_warmup,
+                              post_scale=post_scale)
             if chk.units:
                 self.reductions.append(chk)
 

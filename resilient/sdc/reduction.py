@@ -23,12 +23,26 @@ the float64 L1 of what went in. Each output element is produced by at most
   (we then take ``u`` of the coarser dtype),
 * ``c-1`` additions when ``c`` reduce-scatters accumulate into ``.grad``
   (gradient accumulation without ``no_sync``),
+* 1 rounding for a scaling of the reduced gradients after the collective
+  (``post_scale``, below),
 
 so with ``m`` = their count, Higham's bound for recursive sums gives
 ``|Σ out_r - scale·Σ in_r| ≤ γ_m(u) · scale · L``, plus the error of the
 float64 sums themselves (``γ_n(2**-53)·L`` on each side, n the element count).
 The check uses ``bound_safety ×`` this (config: kernels that block or fuse the
 sum may round a little more often than the model counts).
+
+Pipeline parallelism. ``torch.distributed.pipelining`` schedules run
+backward per micro-batch with gradient sync off (FSDP2 accumulates the
+unsharded gradients), reduce-scatter once per stage after the last
+micro-batch (``perform_reduce_grad``), and then divide the reduced gradients
+by the number of micro-batches (``scale_grads=True``, the default) - *after*
+the collective, so what the check reads is ``post_scale · scale · Σ in`` with
+``post_scale = 1/n_microbatches`` (:func:`pipeline_post_scale`). Without it
+every unit of every pp rank disagreed by exactly that factor: the false alarms
+that had SDC switched off for pp > 1. A rank holding several stages
+(interleaved schedules) has one FSDP root per stage: one check per stage,
+each over that stage's dp group.
 
 Coverage, honestly: the check sees corruption *in* the reduction (a bad link,
 a wrong add in the collective) and anything that changes the reduced gradient
@@ -171,8 +185,10 @@ class ReductionCheck:
     """
 
     def __init__(self, units: list[_Unit], group, safety: float = 2.0, spike_k: float = 50.0,
-                 spike_window: int = 50, spike_warmup: int = 10):
+                 spike_window: int = 50, spike_warmup: int = 10, post_scale: float = 1.0):
         self.units, self.group, self.safety = units, group, safety
+        # the loop's scaling of the reduced gradients before the check (pipeline schedules: 1/n_microbatches)
+        self.post_scale = float(post_scale)
         self.ranks = dist.get_process_group_ranks(group) if units else []
         # on log L1: a floor of 0.1 on sigma keeps natural jumps (a hard batch, 2-3x) below
         # k·0.1 while an exponent flip (x2**64 and beyond: +44 in log) is far above it
@@ -242,25 +258,42 @@ class ReductionCheck:
                 continue
             u.finalize()
             numel = int(allr[0, ui, 2 * n + 3])
-            ops = (n - 1) + (1 if u.scale != 1 else 0) + (calls - 1) + (1 if u.cast else 0)
+            post = self.post_scale
+            ops = (n - 1) + (1 if u.scale != 1 else 0) + (calls - 1) + (1 if u.cast else 0) + (1 if post != 1 else 0)
             for r in range(n):
-                expect = u.scale * float(allr[:, ui, r].sum())
+                expect = post * u.scale * float(allr[:, ui, r].sum())
                 l1_in = float(allr[:, ui, n + r].sum())
                 got = float(allr[r, ui, 2 * n])
-                bound = linear_bound(ops, u.u, u.scale, l1_in, numel, self.safety)
+                bound = linear_bound(ops, u.u, post * u.scale, l1_in, numel, self.safety)
                 err = abs(got - expect)
                 if not (err <= bound):   # NaN-safe
                     out.append(Suspicion(step=step, rank=self.ranks[r], kind=KIND_REDUCTION, tensor=u.fqn,
                                          evidence={"sum_out": got, "sum_in_scaled": expect, "err": err,
-                                                   "bound": bound, "l1_in": l1_in, "ops": ops, "calls": calls}))
+                                                   "bound": bound, "l1_in": l1_in, "ops": ops, "calls": calls,
+                                                   **({"post_scale": post} if post != 1 else {})}))
         return out
+
+
+def pipeline_post_scale(schedule) -> float:
+    """The factor a ``torch.distributed.pipelining`` schedule multiplies the
+    reduced gradients by after FSDP2's reduce-scatter: ``1/n_microbatches`` with
+    ``scale_grads=True`` (its default), else 1. ``None`` (no pipeline) → 1."""
+    if schedule is None or not getattr(schedule, "scale_grads", True):
+        return 1.0
+    n = getattr(schedule, "_n_microbatches", None)
+    if not isinstance(n, int) or n < 1:
+        raise SdcError(f"cannot tell how {type(schedule).__name__} scales gradients (no _n_microbatches); "
+                       "pass post_scale to watch_fsdp yourself")
+    return 1.0 / n
 
 
 def attach_fsdp(model: nn.Module, group=None, **kw) -> ReductionCheck:
     """Install :class:`CheckedReduceScatter` on every FSDP2 unit of ``model``.
 
     ``model`` may be one module or several (pipeline stages: pass each, or a
-    ``nn.ModuleList``). Call after ``fully_shard`` and after any
+    ``nn.ModuleList``). ``post_scale`` (in ``kw``): the factor the loop applies
+    to the reduced gradients before the check (:func:`pipeline_post_scale`
+    for a pipeline schedule). Call after ``fully_shard`` and after any
     ``set_symm_mem``/``set_allocate_memory_from_process_group`` (they refuse a
     custom comm). ``group`` defaults to the units' reduce-scatter group.
     Raises :class:`SdcError` for HSDP (not covered) or a torch without FSDP2.
