@@ -39,8 +39,12 @@ class ProgressLine:
         """Extra fields shown after the training figures (e.g. committed versions per tier)."""
         self.extra[key] = value
 
+    def due(self, step: int) -> bool:
+        """Whether :meth:`update` at ``step`` prints (so callers gather extras only then)."""
+        return self.tty or step % self.every == 0 or step == self.total
+
     def update(self, step: int, loss: float, tokens_per_s: float, mfu: float | None = None) -> None:
-        if not self.tty and step % self.every and step != self.total:
+        if not self.due(step):
             return
         parts = [f"step {step}/{self.total}", f"loss {loss:.4f}", f"{tokens_per_s:,.0f} tok/s"]
         if mfu:

@@ -275,6 +275,10 @@ class Trainer:
         self.events.emit("step", step=r.step, loss=r.loss, grad_norm=r.grad_norm,
                          tokens_per_s=r.tokens_per_s, seconds=r.seconds, **({"mfu": mfu} if mfu else {}))
         if self.progress:
+            if self.progress.due(r.step):
+                tiers = self.state.committed()
+                self.progress.set("committed", " ".join(f"{t} {tiers[t]}" for t in ("local", "peer", "durable")
+                                                        if t in tiers) or "none yet")
             self.progress.update(r.step, r.loss, r.tokens_per_s, mfu)
 
     def run(self) -> int:

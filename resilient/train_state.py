@@ -214,6 +214,14 @@ class TrainState:
             self.memory.wait(timeout)
         self.durable.wait(timeout)
 
+    def committed(self) -> dict[str, int]:
+        """The newest committed step per tier this process can see (for the progress line):
+        ``local``/``peer`` from the agent, ``durable`` from this rank's committer (rank 0)."""
+        out = dict(self.store.store.read_committed()) if self.store is not None else {}
+        if self.durable is not None and self.durable.committed_step is not None:
+            out["durable"] = self.durable.committed_step
+        return out
+
     def _global_extra(self, step: int) -> dict:
         """The data position, and the model's shape so tools (``resilient ckpt
         reshard``) can check a target layout without our config file."""

@@ -81,6 +81,7 @@ class Replicator:
         self._busy = False
         self._warned_full = 0.0
         self._nodes: dict[str, dict] = {}
+        self._peer_committed = -1
         self._nodes_at = 0.0
         self._thread = threading.Thread(target=self._run, name="snapshot-replicator", daemon=True)
         self._thread.start()
@@ -227,6 +228,10 @@ class Replicator:
         with self._cond:
             for t in due:
                 self.committed[t] = max(self.committed.get(t, -1), v.step)
+            if due.get("memory", 0) > 0:  # replicated to peers (k = 0: the local copy only)
+                self._peer_committed = max(self._peer_committed, v.step)
+            shown = {"local": self.committed.get("local", -1), "peer": self._peer_committed}
+        self.store.publish_committed({k: s for k, s in shown.items() if s >= 0})
         for t, k in due.items():
             if t in won and (t == "local" or k > 0):  # k = 0: the local commit said it all
                 self._emit("commit", step=v.step, tier="local" if t == "local" else "peer", world=world,

@@ -36,6 +36,7 @@ from resilient.snapshot.api import SnapshotIncomplete, StorageError
 from resilient.snapshot.format import crc, parse_version_dir, version_dir
 
 OWNER = "owner.json"
+COMMITTED = "committed.json"  # {"local": step, "peer": step}: the agent's newest commits, for progress lines
 # Everything a store holds has one of these names; anything else is refused (no "..", no absolute paths).
 _REL = re.compile(r"^step-\d{12}/[0-9a-zA-Z]{1,40}-\d{6}/r\d{5}(-p\d{4}\.bin|\.json)$")
 _RANK = re.compile(r"/r(\d{5})(?:-p\d{4}\.bin|\.json)$")
@@ -153,6 +154,25 @@ class NodeStore:
     def free_bytes(self) -> int:
         st = os.statvfs(self.path)
         return st.f_bavail * st.f_frsize
+
+    # -- commit status ----------------------------------------------------------
+    def publish_committed(self, committed: dict[str, int]) -> None:
+        """The agent's newest commit per memory tier, for its workers' progress lines
+        (tmpfs: a write and a rename per commit)."""
+        tmp = self.path / f".{COMMITTED}.tmp"
+        try:
+            tmp.write_text(json.dumps(committed))
+            os.replace(tmp, self.path / COMMITTED)
+        except OSError:  # the store is being removed; nobody will read it
+            pass
+
+    def read_committed(self) -> dict[str, int]:
+        """What :meth:`publish_committed` last wrote (empty before the first commit)."""
+        try:
+            got = json.loads((self.path / COMMITTED).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in got.items() if isinstance(v, int)} if isinstance(got, dict) else {}
 
     # -- contents ---------------------------------------------------------------
     def versions(self) -> list[LocalVersion]:
