@@ -19,6 +19,7 @@ not cold-disk reads.
 
     python bench/bench_ckpt.py                     # 0.25 0.5 1 2 GB
     python bench/bench_ckpt.py --sizes 0.1 0.2 --dir /tmp/bench --to pp=2,dp=2,tp=2
+    python bench/bench_ckpt.py --sizes 0.04 0.12 --dim 256 --ops reshard convert-safetensors  # quick
 """
 
 from __future__ import annotations
@@ -98,7 +99,12 @@ def main() -> None:
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="checkpoint sizes in GB")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument("--to", default="pp=2,dp=2,tp=2", help="reshard target")
+    ap.add_argument("--ops", nargs="+", default=["reshard", "convert-safetensors", "verify"],
+                    help="operations to measure (each in a fresh child process)")
+    ap.add_argument("--dim", type=int, default=1024,
+                    help="model width (ffn 2.75x, vocab 16384, or 4096 below 1024): narrower for small sizes")
     a = ap.parse_args()
+    shape = {"dim": a.dim, "hidden": a.dim * 11 // 4, "vocab": 16384 if a.dim >= 1024 else 4096}
     root = a.dir or tempfile.mkdtemp(prefix="bench-ckpt-")
     os.makedirs(root, exist_ok=True)
     free = shutil.disk_usage(root).free
@@ -110,7 +116,7 @@ def main() -> None:
             work = os.path.join(root, f"{gb}gb")
             shutil.rmtree(work, ignore_errors=True)
             t0 = time.perf_counter()
-            nbytes = write_source(os.path.join(work, "src"), int(gb * 1e9))
+            nbytes = write_source(os.path.join(work, "src"), int(gb * 1e9), **shape)
             write_s = time.perf_counter() - t0
             runs = {
                 "reshard": ["reshard", os.path.join(work, "src"), "--to", a.to, os.path.join(work, "out")],
@@ -118,7 +124,7 @@ def main() -> None:
                                         "--format", "safetensors"],
                 "verify": ["verify", os.path.join(work, "src")],
             }
-            for op, argv in runs.items():
+            for op, argv in ((op, runs[op]) for op in a.ops):
                 r = child(argv)
                 print(json.dumps({"op": op, "size_gb": gb, "bytes": nbytes, "seconds": round(r["seconds"], 3),
                                   "mb_s": round(nbytes / 1e6 / r["seconds"], 1),

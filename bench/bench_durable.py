@@ -118,8 +118,8 @@ def _split(got: list[dict]) -> tuple[list[float], list[float]]:
 
 
 def run(quick: bool) -> dict:
-    repeats = 3
-    file_gb, s3_mb = (0.25, 32) if quick else (1.0, 256)
+    repeats = 2 if quick else 3
+    file_gb, s3_mb = (0.0625, 16) if quick else (1.0, 256)
     figures, ratios, goals = {}, {}, []
     root = Path(tempfile.mkdtemp(prefix="bench-durable-", dir=os.environ.get("BENCH_DISK", "/tmp")))
     state = make_state(int(file_gb * GB))

@@ -42,7 +42,7 @@ def start(kind: str, run_dir: Path, extra: dict) -> Job:
 
 
 def run(quick: bool) -> dict:
-    kills, rounds = (2, 1) if quick else (3, 2)
+    kills, rounds = (1, 1) if quick else (3, 2)
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     got: dict[str, list[dict]] = {}
     cmds = {}

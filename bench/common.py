@@ -132,24 +132,56 @@ def tiny_sets(steps: int = 100000, **extra: Any) -> list[str]:
             for k, v in sets.items()]
 
 
-def launch_cmd(run_dir: Path, sets: list[str], nproc: int = 2) -> list[str]:
+def launch_cmd(run_dir: Path, sets: list[str], nproc: int = 2, node: str | None = None, nnodes: int | str = 1,
+               endpoint: str | None = None, domain: str | None = None) -> list[str]:
+    """``resilient launch`` of the demo; with ``node``/``endpoint`` one simulated node of a
+    multi-node job (all nodes share ``run_dir`` and the etcd at ``endpoint``)."""
     cmd = [sys.executable, "-m", "resilient.cli", "launch", str(DEMO), "--run-dir", str(run_dir),
            "--nproc-per-node", str(nproc)]
+    if node is not None:
+        cmd += ["--node-id", node, "--nnodes", str(nnodes)]
+    if endpoint:
+        cmd += ["--rdzv-endpoint", endpoint]
+    if domain:
+        cmd += ["--domain", domain]
     for s in sets:
         cmd += ["--set", s]
     return cmd
 
 
-def torchrun_cmd(run_dir: Path, sets: list[str], nproc: int = 2, max_restarts: int = 10) -> list[str]:
-    """Plain torchrun restarting our same worker script; writes RUN/config.json as the launcher would."""
+def torchrun_cmd(run_dir: Path, sets: list[str], nproc: int = 2, max_restarts: int = 10, nnodes: int | str = 1,
+                 endpoint: str = "127.0.0.1:0") -> list[str]:
+    """Plain torchrun restarting our same worker script; writes RUN/config.json as the launcher would.
+    With ``nnodes`` > 1, one simulated node: every node gets the same command and ``endpoint``
+    (the first one started hosts torch's c10d rendezvous store)."""
     from resilient.config import load_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = load_config(DEMO, sets)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "-m", "resilient.worker", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def etcd_server():
+    """A real single-member etcd on loopback (context manager; ``.endpoint``) for multi-node jobs."""
+    from resilient.etcd.server import EmbeddedEtcd
+
+    return EmbeddedEtcd()
+
+
+def load_note() -> str:
+    """The 1/5/15-minute load averages, for the notes: other engineers share these 2 cores."""
+    return "load average " + "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def shown(cmd: list[str]) -> str:
@@ -163,10 +195,10 @@ class Job:
     """A training job (agent or torchrun and its workers) in its own session, so the
     whole process group is killed on close, whatever happened."""
 
-    def __init__(self, cmd: list[str], run_dir: Path, env: dict | None = None):
+    def __init__(self, cmd: list[str], run_dir: Path, env: dict | None = None, name: str = ""):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir, self.cmd = run_dir, cmd
-        self.log = open(run_dir.parent / f"{run_dir.name}.log", "w+")
+        self.log = open(run_dir.parent / f"{run_dir.name}{'-' + name if name else ''}.log", "w+")
         e = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {}))
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=e)
@@ -191,15 +223,17 @@ class Job:
             return got[n - 1] if len(got) >= n else None
         return wait_for(ready, timeout, f"{n} steps in {self.run_dir}")
 
-    def close(self) -> None:
-        """Kill the job's process group and every descendant: torchrun puts its workers in
-        sessions of their own, so killing the group alone leaves them training."""
+    def kill_node(self) -> float:
+        """kill -9 the launcher (agent or torchrun) and every descendant at once: a whole node
+        lost. torchrun puts its workers in sessions of their own, so the group alone is not
+        enough. Returns the time of the kill. Its node store stays in tmpfs (see ``close``)."""
         import psutil
 
         try:
             kids = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.Error:
             kids = []
+        t = time.time()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -209,6 +243,11 @@ class Job:
                 k.kill()
             except psutil.Error:
                 pass
+        return t
+
+    def close(self) -> None:
+        """Kill the job's process group and every descendant (``kill_node``) and drop its node store."""
+        self.kill_node()
         # A node store killed with its agent stays in tmpfs (by design: it outlives workers).
         for e in self.events("agent_start"):
             if e.get("run_id"):
@@ -340,8 +379,8 @@ def kill_series(job: Job, kills: int, spares: int = 0, settle_steps: int = 3, ji
         if extra:
             job.wait_steps(extra, timeout, after=time.time())
         if spares:
-            try:
-                wait_for(lambda: spares_idle(job, spares), timeout, "warm spares")
+            try:  # bounded: an agent that keeps fewer spares warm than asked must not stall the row
+                wait_for(lambda: spares_idle(job, spares), min(timeout, 60), "warm spares")
             except TimeoutError:
                 pass  # measured anyway; the result's "warm" says how many spares were used
         r = kill_worker(job, timeout=timeout)

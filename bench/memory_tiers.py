@@ -1,4 +1,9 @@
-"""Recovery time per tier and the per-step cost of snapshotting every step.
+"""Recovery time per tier and the per-step cost of snapshotting every step (a hand tool).
+
+The suite's rows measure the same side by side with the anchors:
+``python bench/run.py recovery recovery_node overhead`` (worker kill, node kill
+from peer RAM vs torchrun, and the interleaved on/off overhead). This script
+stays for quick looks at one tier at a time, without the anchors.
 
     python bench/memory_tiers.py [--steps N] [--out DIR]
 

@@ -1,0 +1,102 @@
+"""Benchmark-only hook: switch snapshots and SDC checks on and off per block of steps
+inside one running ``resilient launch`` job (bench/bench_overhead.py).
+
+Why: on a shared 2-core machine two separate runs differ by far more than the
+2% (snapshots + replication) and 1% (SDC) goals; blocks of each mode
+interleaved in the *same* worker processes, compared pairwise, cancel most of
+that. bench_overhead.py puts this folder first on PYTHONPATH and sets
+``RESILIENT_BENCH_BLOCKS=WARMUP:BLOCK:MODE,MODE,...``; Python imports this
+``sitecustomize`` at start-up in every process of the job. It does nothing
+unless that variable is set, and then only wraps two methods once
+``resilient.train`` is imported (in the workers):
+
+- ``TrainState.after_step`` skips the capture (node store, hence replication)
+  for steps whose mode has no ``snap``;
+- ``Trainer.train_step`` detaches the SDC monitor (and disarms its
+  reduce-scatter sums) for steps whose mode has no ``sdc``; when checks resume
+  after a pause, the monitor is told the parameters moved (``note_restored``),
+  exactly as after a restore, so its at-rest hashes do not see a false fault.
+
+Mode of step s (completed-step numbering, the first step is 1): steps up to
+WARMUP run with everything on; then blocks of BLOCK steps cycle through the
+modes, the order rotated by one each cycle so every mode takes every position.
+The schedule lives in ``resilient_bench_blocks`` beside this file, imported by
+bench_overhead.py too, so both sides agree.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from resilient_bench_blocks import ENV, mode_of  # noqa: E402  (this folder is on sys.path)
+
+
+def _patch(train) -> None:
+    spec = os.environ[ENV]
+    from resilient import train_state
+
+    def wants(step: int, what: str) -> bool:
+        m = mode_of(step, spec)
+        return m is None or what in m.split("+")
+
+    after_step = train_state.TrainState.after_step
+
+    def after_step_blocks(self, step: int, force: bool = False) -> None:
+        if force or wants(step, "snap"):
+            after_step(self, step, force)
+
+    train_step = train.Trainer.train_step
+
+    def train_step_blocks(self):
+        mon = self.__dict__.setdefault("_bench_sdc", self.sdc)
+        if mon is not None:
+            on = wants(self.step + 1, "sdc")
+            if on and self.sdc is None:
+                mon.note_restored(self.step)  # the parameters moved while unchecked
+            self.sdc = mon if on else None
+            every = mon.cfg.check_every
+            for chk in mon.reductions:
+                chk.arm(on and every > 0 and (self.step + 1) % every == 0)
+        return train_step(self)
+
+    train_state.TrainState.after_step = after_step_blocks
+    train.Trainer.train_step = train_step_blocks
+
+
+class _Finder:
+    """Wraps the loader of ``resilient.train`` so the patch runs right after it is executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "resilient.train":
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _chain() -> None:
+    """Run the ``sitecustomize`` this one shadows, if the interpreter has one (Debian's does)."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_chain()
+if os.environ.get(ENV):
+    sys.meta_path.insert(0, _Finder())
