@@ -67,6 +67,7 @@ class ResilientAgent(SimpleElasticAgent):
         self._next_membership_check = 0.0
         self._round = 0
         self._startup_failures = 0
+        self._refill_pending = False
         self.quarantined = False
         self.store = None
         if settings.store is not None and settings.etcd_factory is not None:
@@ -119,7 +120,9 @@ class ResilientAgent(SimpleElasticAgent):
             self.heartbeats.reset(worker.local_rank)
             wp.assign(self._worker_env(worker_group, worker), self.settings.worker_argv)
             self.procs[worker.local_rank] = wp
-        self.pool.refill_later()
+        # Spares are refilled once these workers have beaten (see _refill_when_running): new
+        # spares importing torch next to workers that are still starting would slow them down.
+        self._refill_pending = True
         if self.store is not None:
             self.store.set_workers({w.global_rank for w in worker_group.workers}, worker_group.workers[0].world_size)
         self.events.emit("workers_started", round=self._round, local_ranks=sorted(self.procs),
@@ -168,8 +171,17 @@ class ResilientAgent(SimpleElasticAgent):
                 self.events.emit("failure", kind=FailureKind.HANG.value, local_rank=local_rank, pid=wp.pid)
                 return RunResult(state=WorkerState.UNHEALTHY,
                                  failures=self._failure(worker_group, local_rank, wp, -signal.SIGKILL))
+        self._refill_when_running()
         self._check_membership(worker_group)
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _refill_when_running(self) -> None:
+        """Warm new spares once every worker has sent its first heartbeat (it is training):
+        spares spawned while the workers still start would import torch next to them, and
+        on a busy host every process would reach its first step later."""
+        if self._refill_pending and all(os.path.exists(self.heartbeats.path(r)) for r in self.procs):
+            self._refill_pending = False
+            self.pool.refill_later(timedelta(0))
 
     def _quarantine_if_asked(self, failures: dict) -> None:
         """A worker that exits with QUARANTINE_EXIT sits on a device the SDC

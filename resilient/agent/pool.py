@@ -98,13 +98,15 @@ class WarmPool:
                     return wp, True
             return WorkerProcess(self.env), False
 
-    def refill_later(self) -> None:
+    def refill_later(self, delay: timedelta | None = None) -> None:
+        """Top the pool up after ``delay`` (default ``refill_delay``), on a timer thread."""
         if self.size <= 0:
             return
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = threading.Timer(self.refill_delay.total_seconds(), self.fill)
+            wait = self.refill_delay if delay is None else delay
+            self._timer = threading.Timer(wait.total_seconds(), self.fill)
             self._timer.daemon = True
             self._timer.start()
 
