@@ -5,15 +5,19 @@ the *newest* version its workers finished writing into the node store (all
 of the node's ranks have their rank manifest; older unfinished versions are
 skipped: coalescing, as the durable uploader does), and
 
-1. records "node N holds ranks R of step S" under
-   ``/resilient/<run>/mem/holds/<S>/<N>`` and, when the holds of all nodes
-   cover every rank, commits the version at tier ``local`` (create-only CAS
-   on ``/resilient/<run>/commit/local/<S>``; the winner emits ``commit``);
-2. pushes the node's rank files (parts first, rank manifest last) to
+1. pushes the node's rank files (parts first, rank manifest last) to
    ``k`` peers (:func:`~resilient.snapshot.peer.peer_order`: other failure
    domains first), rate-limited;
-3. records the replicas and, when every rank is held on ``1+k`` nodes,
-   commits at tier ``peer`` (CAS on ``/resilient/<run>/commit/memory/<S>``).
+2. records "node N holds ranks R of step S on nodes [N, peers...]" under
+   ``/resilient/<run>/mem/holds/<S>/<N>`` and reads every node's record of S,
+   in one transaction;
+3. when the holds of all nodes cover every rank, commits the version at tier
+   ``local`` (``/resilient/<run>/commit/local/<S>``) and, when every rank is
+   held on ``1+k`` nodes, at tier ``peer`` (``.../commit/memory/<S>``), both
+   create-only in one transaction; the winner emits ``commit``.
+
+Two etcd writes per node and version, at most: on a host that trains, each
+one is CPU taken from training (etcd logs and fsyncs every write).
 
 A commit record is JSON ``{"step", "attempt", "world", "k", "holders":
 {"<rank>": [nodes]}}``: what restore needs to find every shard. It is written
@@ -128,36 +132,34 @@ class Replicator:
             self._retain()
 
     def _handle(self, v: LocalVersion) -> None:
+        """Push this node's ranks of ``v`` to ``k`` peers, then record what is held where and
+        commit (one txn to record and read every node's holds, one to commit both tiers):
+        each etcd write here is CPU on a host that trains, every step."""
         mine = sorted(self.local_ranks & v.ranks)
         world = self.world
         nodes = self._live_nodes()
         holders = {r: [self.node] for r in mine}
         others = {n: i for n, i in nodes.items() if n != self.node and i.get("store")}
         k = min(self.opts.k, len(others))
+        if k > 0:
+            t0, sent = time.monotonic(), 0
+            for peer in peer_order(self.node, {**others, self.node: nodes.get(self.node, {})}, len(others)):
+                if sum(1 for n in holders[mine[0]] if n != self.node) >= k:
+                    break
+                try:
+                    sent += self._push(peer, others[peer]["store"], v, mine)
+                except (PeerError, SnapshotError, OSError) as e:
+                    self._drop_client(peer)
+                    self._nodes_at = 0.0  # a peer failed: look at the registry afresh next time
+                    self._emit("upload_error", step=v.step, phase="replicate", obj=peer, error=str(e))
+                    continue
+                for r in mine:
+                    holders[r].append(peer)
+            self._emit("upload", step=v.step, bytes=sent, stored_bytes=sent, parts=len(mine),
+                       seconds=round(time.monotonic() - t0, 4), tier="peer",
+                       peers=sorted({n for h in holders.values() for n in h} - {self.node}))
         merged = self._hold(v, holders, world)
-        if k == 0:
-            # Nothing to replicate: the local and memory records are one decision, one round trip.
-            self._commit(v, world, merged, {"local": 0, "memory": 0})
-            return
-        self._commit(v, world, merged, {"local": 0})
-        t0, sent = time.monotonic(), 0
-        for peer in peer_order(self.node, {**others, self.node: nodes.get(self.node, {})}, len(others)):
-            if sum(1 for n in holders[mine[0]] if n != self.node) >= k:
-                break
-            try:
-                sent += self._push(peer, others[peer]["store"], v, mine)
-            except (PeerError, SnapshotError, OSError) as e:
-                self._drop_client(peer)
-                self._nodes_at = 0.0  # a peer failed: look at the registry afresh next time
-                self._emit("upload_error", step=v.step, phase="replicate", obj=peer, error=str(e))
-                continue
-            for r in mine:
-                holders[r].append(peer)
-        merged = self._hold(v, holders, world)
-        self._emit("upload", step=v.step, bytes=sent, stored_bytes=sent, parts=len(mine),
-                   seconds=round(time.monotonic() - t0, 4), tier="peer",
-                   peers=sorted({n for h in holders.values() for n in h} - {self.node}))
-        self._commit(v, world, merged, {"memory": k})
+        self._commit(v, world, merged, {"local": 0, "memory": k})
 
     def _live_nodes(self) -> dict[str, dict]:
         """The node registry, re-read at most every ``nodes_ttl`` (a version per step would
