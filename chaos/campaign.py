@@ -140,19 +140,46 @@ def fault_duration(f: PlannedFault) -> timedelta | None:
     return timedelta(seconds=seconds) if seconds > 0 else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Pace:
+    """When a paced fault may fire: ``seats`` nodes in the newest round, its
+    workers started training (a ``run_start`` after that round, of its
+    world size), and ``steps`` distinct steps made since then and since the
+    previous fault ended (steps of a group that is being replaced do not
+    count); after ``timeout`` it fires anyway, recorded."""
+
+    seats: int
+    steps: int = 2
+    timeout: timedelta = timedelta(minutes=3)
+
+
 class FaultDriver:
     """Fires planned faults at their step or time, clears them when their
     duration ends, and logs every record to ``RUN_DIR/chaos/events.jsonl``.
 
     Time triggers count from the first ``step`` event (training started).
+    Paced faults (:attr:`PlannedFault.paced`) fire one at a time, in plan
+    order, each once the job recovered from the previous fault (:class:`Pace`);
+    before each, nodes that a fault ended are started again (``job.heal``: a
+    replacement node arrives), except the one the next scale-up brings back.
+    ``pacing`` records, per paced fault, how long the job took to be back at
+    full strength (``ready_seconds``, from injection) and any pace timeout.
     Run it in a thread (:meth:`start` / :meth:`stop`) or call :meth:`tick`
     from the runner's own loop. An injection that raises is recorded as
     ``failed`` (and fails the campaign); the driver goes on with the rest.
     """
 
     def __init__(self, plan: Iterable[PlannedFault], job: JobHandles, *, poll: timedelta = timedelta(milliseconds=200),
-                 build: Callable[[PlannedFault, JobHandles], Injector] = make_injector) -> None:
-        self.pending = list(plan)
+                 build: Callable[[PlannedFault, JobHandles], Injector] = make_injector, pace: Pace | None = None) -> None:
+        self.pending = [f for f in plan if not f.paced]
+        self.paced = [f for f in plan if f.paced]
+        self.pace = pace or Pace(seats=int(getattr(job, "nodes", 1) or 1))
+        self.pacing: list[dict] = []
+        self._mark = 0.0               # when the previous paced fault ended
+        self._last: dict | None = None  # its pacing row, until the job is ready again
+        self._round: tuple[float, int, int] = (0.0, 0, 0)  # (time, nodes, world) of the newest rendezvous
+        self._start: tuple[float, int] = (0.0, 0)  # (time, world) of the newest run_start
+        self._recent: list[tuple[float, int]] = []  # (time, step) since the mark
         self.job, self.poll, self.build = job, poll, build
         self.tail = EventTail(job.run_dir)
         self.log = EventLog(Path(job.run_dir) / "chaos" / "events.jsonl", node="chaos", rank=-1)
@@ -176,6 +203,11 @@ class FaultDriver:
                     self.max_step = max(self.max_step, int(e.get("step", -1)))
                     if self.started_at is None:
                         self.started_at = e.get("time", time.time())
+                    self._recent.append((float(e.get("time", 0.0)), int(e.get("step", -1))))
+                elif e.get("event") == "rendezvous" and float(e.get("time", 0.0)) >= self._round[0]:
+                    self._round = (float(e.get("time", 0.0)), len(e.get("nodes", [])), int(e.get("world", 0) or 0))
+                elif e.get("event") == "run_start" and float(e.get("time", 0.0)) >= self._start[0]:
+                    self._start = (float(e.get("time", 0.0)), int((e.get("layout") or {}).get("world", 0) or 0))
             now = time.time() if now is None else now
             for f in [f for f in self.pending if self._due(f, now)]:
                 self.pending.remove(f)
@@ -183,6 +215,57 @@ class FaultDriver:
             for item in [a for a in self.active if a[0] is not None and a[0] <= time.time()]:
                 self.active.remove(item)
                 self._clear(item[1])
+                self._mark = time.time()
+            if (self.paced or self._last is not None) and self.started_at is not None:
+                self._pace(time.time())
+
+    def done(self) -> bool:
+        """Every planned fault fired and ended, and the job recovered from the last paced one."""
+        with self._lock:
+            return (not self.pending and not self.paced and self._last is None
+                    and not any(a[0] is not None for a in self.active))
+
+    def _pace(self, now: float) -> None:
+        """Fire the next paced fault when the job is back at full strength."""
+        if any(a[0] is not None for a in self.active):
+            return  # the previous fault still lasts
+        if not self._mark:
+            self._mark = self.started_at or now
+        nxt = self.paced[0] if self.paced else None
+        keep = {nxt.target.index} if nxt is not None and nxt.kind == "scale-up" and nxt.target.index is not None else set()
+        heal = getattr(self.job, "heal", None)
+        try:
+            healed = heal(keep) if heal is not None and self._last is not None else []
+        except Exception as e:  # a replacement that cannot start: recorded, and the job is judged as it is
+            healed = []
+            if self._last is not None:
+                self._last["heal_error"] = f"{type(e).__name__}: {e}"
+        if healed:
+            self._mark = now
+            self._last["replaced"] = self._last.get("replaced", []) + healed
+        since = max(self._mark, self._round[0], self._start[0])
+        self._recent = [(t, s) for t, s in self._recent if t > self._mark]
+        steps = {s for t, s in self._recent if t > since}
+        started = self._start[0] >= self._round[0] and (not self._round[2] or self._start[1] == self._round[2])
+        ready = self._round[1] >= self.pace.seats and started and len(steps) >= self.pace.steps
+        late = now - self._mark > self.pace.timeout.total_seconds()
+        if not (ready or late):
+            return
+        if self._last is not None:
+            if ready:
+                self._last["ready_seconds"] = round(now - self._last["injected_at"], 2)
+            else:
+                self._last["not_ready"] = (f"{self.pace.timeout} after it ended: {self._round[1]} of {self.pace.seats} "
+                                           f"seats, {'training' if started else 'not training'}, {len(steps)} new steps")
+            self._last = None
+        if nxt is None:
+            return
+        self.paced.pop(0)
+        self._fire(nxt)
+        rec = self.records[-1]
+        self._last = {"fault_id": nxt.fault_id, "kind": nxt.kind, "status": rec.status, "injected_at": rec.injected_at or now}
+        self.pacing.append(self._last)
+        self._mark = time.time()
 
     def _fire(self, f: PlannedFault) -> None:
         try:

@@ -8,7 +8,12 @@ at seeded random rates, the way object stores and disks do in production::
 
 or by URL, chained (``faulty::file:///tmp/ck``, ``faulty::s3://bucket/ck``)
 with the rates, or a shared :class:`FaultPlan`, as storage options
-(``fsspec.url_to_fs(url, faulty={"plan": plan})``).
+(``fsspec.url_to_fs(url, faulty={"plan": plan})``). A filesystem made from a
+bare URL (no plan, no rates: what a worker's ``snapshot.durable_url =
+"faulty::file:///..."`` gives) uses the process's plan, :func:`process_plan`,
+which the chaos control channel flips at run time (:mod:`.hooks`). The
+``faulty`` protocol is registered with fsspec by the package's
+``fsspec.specs`` entry point, so any process can open such a URL.
 
 Faults:
 - ``error_rate``: an operation raises :class:`InjectedFault` (an ``OSError``,
@@ -23,13 +28,14 @@ Faults:
 from __future__ import annotations
 
 import io
+import os
 import random
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 from fsspec.implementations.chained import ChainedFileSystem
@@ -56,10 +62,31 @@ class FaultPlan:
     seed: int = 0
     enabled: bool = True
     injected: Counter = field(default_factory=Counter)
+    users: int = 0  # filesystems built on this plan (a plan nobody uses injects nothing)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[str, str], None]] = []
+
+    def count(self, what: str, path: str) -> None:
+        """Record one injected fault and tell the listeners (``what``, ``path``)."""
+        with self._lock:
+            self.injected[what] += 1
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn(what, path)
+
+    def listen(self, fn: Callable[[str, str], None]) -> Callable[[], None]:
+        """Call ``fn(what, path)`` on every injected fault; returns the unsubscribe."""
+        with self._lock:
+            self._listeners.append(fn)
+
+        def stop() -> None:
+            with self._lock:
+                if fn in self._listeners:
+                    self._listeners.remove(fn)
+        return stop
 
     def roll(self, rate: float) -> bool:
         if not self.enabled or rate <= 0:
@@ -72,6 +99,21 @@ class FaultPlan:
             return self._rng.randrange(max(n, 1))
 
 
+_PROCESS_PLAN: FaultPlan | None = None
+_PROCESS_LOCK = threading.Lock()
+
+
+def process_plan() -> FaultPlan:
+    """The plan of every filesystem this process built from a bare
+    ``faulty::`` URL; nothing is injected until a test or the chaos control
+    channel sets a rate."""
+    global _PROCESS_PLAN
+    with _PROCESS_LOCK:
+        if _PROCESS_PLAN is None:
+            _PROCESS_PLAN = FaultPlan(seed=os.getpid())
+        return _PROCESS_PLAN
+
+
 class FaultyFileSystem(ChainedFileSystem):
     protocol = ("faulty",)
     cachable = False
@@ -81,7 +123,9 @@ class FaultyFileSystem(ChainedFileSystem):
                  fo: str | None = None, **rates: Any):
         super().__init__()
         self.fs = fs if fs is not None else fsspec.filesystem(target_protocol or "file", **(target_options or {}))
-        self.plan = plan if plan is not None else FaultPlan(**rates)
+        # Built from a bare URL (no filesystem, plan or rates given): the process's plan.
+        self.plan = plan if plan is not None else FaultPlan(**rates) if rates or fs is not None else process_plan()
+        self.plan.users += 1
 
     @property
     def injected(self) -> Counter:
@@ -98,8 +142,9 @@ class FaultyFileSystem(ChainedFileSystem):
     def _before(self, op: str, path: str) -> None:
         if self.plan.enabled and self.plan.latency.total_seconds() > 0:
             time.sleep(self.plan.latency.total_seconds())
+            self.plan.count("latency", path)
         if self.plan.roll(self.plan.error_rate):
-            self.plan.injected[f"error:{op}"] += 1
+            self.plan.count(f"error:{op}", path)
             raise InjectedFault(f"injected {op} error on {path}")
 
     def _commit_write(self, path: str, data: bytes) -> None:
@@ -108,7 +153,7 @@ class FaultyFileSystem(ChainedFileSystem):
             self.fs.makedirs(self.fs._parent(path), exist_ok=True)
         if self.plan.roll(self.plan.torn_write_rate):
             cut = self.plan.randrange(len(data))
-            self.plan.injected["torn_write"] += 1
+            self.plan.count("torn_write", path)
             self.fs.pipe_file(path, data[:cut])
             if not self.plan.silent_torn:
                 raise InjectedFault(f"injected torn write on {path} ({cut} of {len(data)} bytes)")
@@ -127,7 +172,7 @@ class FaultyFileSystem(ChainedFileSystem):
         data = self.fs.cat_file(path, start=start, end=end, **kwargs)
         if data and self.plan.roll(self.plan.corrupt_read_rate):
             i, bit = self.plan.randrange(len(data)), self.plan.randrange(8)
-            self.plan.injected["corrupt_read"] += 1
+            self.plan.count("corrupt_read", path)
             data = bytearray(data)
             data[i] ^= 1 << bit
             data = bytes(data)

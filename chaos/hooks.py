@@ -20,11 +20,20 @@ taken only by its rank. It is acknowledged — the ``fault_injected`` event
 with ``request = id`` the harness waits for — only when the bit has really
 flipped, carrying the old and new value; a request that cannot be carried
 out (no such tensor) is acknowledged as failed at once.
+
+A ``storage-flaky`` request (``{"mode": "errors" | "latency" | "torn-write",
+"probability", "latency_ms"}``) is taken by every rank: each sets the rate on
+its process's :func:`~.faultyfs.process_plan`, the plan of the durable tier's
+filesystem when ``snapshot.durable_url`` is a ``faulty::`` URL (the runner
+makes it one for a scenario with storage faults). It is acknowledged when the
+wrapper has really struck (an operation failed, was torn or delayed), naming
+what and where; a rank whose durable tier is not faulty refuses the request.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable
 
 from resilient.events import EventLog
@@ -60,8 +69,9 @@ class WorkerHooks:
     def __init__(self, control_dir: str | os.PathLike, events: EventLog, rank: int, model: Any, flips: list,
                  step_of: Callable[[], int]) -> None:
         self.events, self.rank, self.model, self.flips, self.step_of = events, rank, model, flips, step_of
-        self.watcher = ControlWatcher(control_dir, events, {"bitflip": self._on_bitflip},
-                                      accept=lambda r: int(r.get("params", {}).get("rank", -1)) == self.rank)
+        self.watcher = ControlWatcher(control_dir, events, {"bitflip": self._on_bitflip, "storage-flaky": self._on_storage},
+                                      accept=lambda r: r.get("kind") == "storage-flaky"
+                                      or int(r.get("params", {}).get("rank", -1)) == self.rank)
 
     @classmethod
     def attach(cls, trainer: Any) -> "WorkerHooks | None":
@@ -76,6 +86,31 @@ class WorkerHooks:
 
     def close(self) -> None:
         self.watcher.stop()
+
+    def _on_storage(self, req: dict) -> Callable[[], None]:
+        """Flip the process plan's rate; acknowledge at the first strike."""
+        from .control import faultyfs_handler
+        from .faultyfs import process_plan
+
+        plan, rid = process_plan(), str(req.get("id"))
+        if plan.users == 0:
+            raise RuntimeError("no faulty:: filesystem in this worker: snapshot.durable_url is not a faulty:: URL")
+        fired = threading.Event()
+
+        def strike(what: str, path: str) -> None:
+            if not fired.is_set():
+                fired.set()
+                self.events.emit("fault_injected", request=rid, fault="storage-flaky", status="injected",
+                                 effect=what, path=path, params=req.get("params", {}))
+
+        unlisten = plan.listen(strike)
+        undo = faultyfs_handler(plan)(req)
+        req["deferred_ack"] = True
+
+        def clear() -> None:
+            unlisten()
+            undo()
+        return clear
 
     def _on_bitflip(self, req: dict) -> Callable[[], None]:
         """Build the FlipSpec and queue it; the acknowledgement is emitted by

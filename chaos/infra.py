@@ -70,10 +70,23 @@ class Infra:
         return p
 
     def launch_overrides(self) -> list[str]:
-        """The scenario's ``--set`` list, plus the durable URL on the small
-        volume when the scenario fills the disk."""
-        extra = [f"snapshot.durable_url={self.volume.url}"] if self.volume is not None else []
+        """The scenario's ``--set`` list, plus the durable URL: on the small
+        volume when the scenario fills the disk, behind the faulty fsspec
+        wrapper (``faulty::URL``, flipped through the control channel) when
+        it has storage faults."""
+        url = self.volume.url if self.volume is not None else None
+        if any(f.kind == "storage-flaky" for f in self.sc.faults):
+            url = "faulty::" + (url or self.durable_default())
+        extra = [f"snapshot.durable_url={url}"] if url else []
         return [*self.sc.training.overrides, *extra]
+
+    def durable_plain_url(self) -> str:
+        """The durable tier's URL without the faulty wrapper (to verify it)."""
+        return self.volume.url if self.volume is not None else self.durable_default()
+
+    def durable_default(self) -> str:
+        """The runtime's own default (``RUN_DIR/checkpoints``), made explicit."""
+        return (self.run_dir / "checkpoints").resolve().as_uri()
 
     def leak_kwargs(self) -> dict[str, Any]:
         """Arguments for :func:`~.properties.no_leaks` after teardown: the lab

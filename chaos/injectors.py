@@ -465,7 +465,8 @@ class ControlRequest(Injector):
                 self.request_path.unlink(missing_ok=True)
                 raise InjectionFailed(f"{self.kind} request {self.fault_id} refused by node {self.ack.get('node')}: {self.ack.get('detail')}")
             if self.ack is not None:
-                return f"acknowledged by node {self.ack.get('node')} rank {self.ack.get('rank')}"
+                effect = f": {self.ack['effect']} on {self.ack.get('path', '?')}" if self.ack.get("effect") else ""
+                return f"acknowledged by node {self.ack.get('node')} rank {self.ack.get('rank')}{effect}"
             time.sleep(0.05)
         self.request_path.unlink(missing_ok=True)
         raise InjectionFailed(f"no consumer acknowledged {self.kind} request {self.fault_id} in {self.ack_timeout} (is the job reading {self.control_dir}?)")

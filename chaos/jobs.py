@@ -202,6 +202,10 @@ class LocalJob:
         self.pids_seen: dict[int, float] = {}  # pid -> create time, of every process seen in a node's tree
         self.orphans: list[str] = []
         self._lock = threading.Lock()
+        self._events_lock = threading.Lock()
+        self._events: list[dict] = []
+        self._by_kind: dict[str, list[dict]] = {}
+        self._events_offset = 0
         self._stop_sampler = threading.Event()
         self._sampler: threading.Thread | None = None
         self.log_dir = self.run_dir / "logs"
@@ -224,11 +228,22 @@ class LocalJob:
                "--nproc-per-node", str(self.nproc), "--domain", self.domains[n % len(self.domains)], "--run-id", self.run_id]
         for o in self.overrides:
             cmd += ["--set", o]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        conf = list(self.sc.topology.rdzv_conf)
+        if self.netlab is not None:
+            # In its own namespace a node's hostname resolves to a loopback the
+            # others cannot reach: advertise its lab address to the rendezvous
+            # (MASTER_ADDR) and the peer store, and bind gloo to its interface.
+            addr = self.netlab.addresses[n]
+            conf.append(f"local_addr={addr}")
+            cmd += ["--set", f"snapshot.store_host={addr}"]
+            env["GLOO_SOCKET_IFNAME"] = self.netlab.interface(n)
+        if conf:
+            cmd += ["--rdzv-conf", ",".join(conf)]
         if self.netlab is not None:
             cmd = self.netlab.exec_prefix(n) + cmd
         log = open(self.log_dir / f"agent-{self.node_id(n)}{'' if k == 0 else f'.{k}'}.log", "w")
         self._logs.append(log)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env, preexec_fn=_term_with_parent)
         self.procs[n] = proc
@@ -261,9 +276,26 @@ class LocalJob:
             raise InjectionFailed(f"every agent exited before the job formed; see {self.log_dir}")
 
     def events(self, kind: str | None = None) -> list[dict]:
-        path = self.run_dir / "events.jsonl"
-        evs = list(read_events(path)) if path.exists() else []
-        return [e for e in evs if kind is None or e.get("event") == kind]
+        """The job's events so far (of one kind): read incrementally, since
+        a soak's log grows to tens of MB and the handles ask often."""
+        with self._events_lock:
+            path = self.run_dir / "events.jsonl"
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._events_offset)
+                    data = f.read()
+            except FileNotFoundError:
+                data = b""
+            end = data.rfind(b"\n") + 1  # a line still being written waits
+            self._events_offset += end
+            for line in data[:end].splitlines():
+                try:
+                    e = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn line of a killed writer
+                self._events.append(e)
+                self._by_kind.setdefault(e.get("event"), []).append(e)
+            return list(self._events if kind is None else self._by_kind.get(kind, []))
 
     def finished(self) -> bool:
         """Every rank of the newest layout wrote its final ``run_end``."""
@@ -274,14 +306,17 @@ class LocalJob:
         ends = {e["rank"] for e in self.events("run_end") if "param_digest" in e and e["time"] >= starts[-1]["time"]}
         return world > 0 and all(r in ends for r in range(world))
 
-    def wait(self, budget: timedelta, poll: timedelta = timedelta(milliseconds=500)) -> str:
+    def wait(self, budget: timedelta, poll: timedelta = timedelta(milliseconds=500), until: Any = None) -> str:
         """Block until the job ends: 'finished' (training finished and every
         agent exited), 'hung' (training finished but agents were still up
         END_GRACE later: a job that cannot end is a bug too), 'exited'
-        (every agent exited without finishing) or 'budget'."""
+        (every agent exited without finishing), 'budget', or 'faults done'
+        when ``until()`` says so (a soak ends with its last fault)."""
         deadline = time.monotonic() + budget.total_seconds()
         done_at: float | None = None
         while time.monotonic() < deadline:
+            if until is not None and until():
+                return "faults done"
             with self._lock:
                 alive = [n for n, p in self.procs.items() if p.poll() is None]
             fin = self.finished()
@@ -470,6 +505,18 @@ class LocalJob:
         if self.node_alive(node):
             raise InjectionFailed(f"node {node} is already running")
         return f"started {self.node_id(node)} as pid {self._launch(node).pid}"
+
+    def heal(self, keep_down: set[int] = frozenset()) -> list[str]:
+        """Start again every agent (nodes and spares) that has exited, but
+        those in ``keep_down``: a replacement node arriving after a node was
+        lost, so that a long campaign does not run out of nodes. Returns the
+        node ids started."""
+        with self._lock:
+            dead = [n for n in range(self.nodes + self.spares)
+                    if n not in keep_down and n in self.procs and self.procs[n].poll() is not None]
+        for n in dead:
+            self._launch(n)
+        return [self.node_id(n) for n in dead]
 
     # -- results ------------------------------------------------------------
     def exit_codes(self) -> dict[str, int | None]:

@@ -105,6 +105,10 @@ class NetLab:
             raise
         return self
 
+    def interface(self, node: int) -> str:
+        """Node ``node``'s network interface inside its namespace."""
+        return self._veth(node)[1]
+
     def exec_prefix(self, node: int) -> list[str]:
         """Prefix a command with this to run it inside node ``node``."""
         return ["ip", "netns", "exec", self.namespaces[node]]

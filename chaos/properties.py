@@ -243,6 +243,31 @@ def no_leaks(run_dir: str | os.PathLike, *, shm_prefix: str | None = None, shm_p
     return PropertyResult("no_leaks", True, "no processes, shm entries, ports, mounts or namespaces left")
 
 
+def durable_versions_whole(url: str) -> PropertyResult:
+    """Every version the durable tier shows as complete reads back whole:
+    every object there, every chunk's checksum right (``resilient ckpt
+    verify``). A storage fault (a torn or refused write, a full disk) may
+    cost a version, never leave a damaged one looking complete."""
+    from resilient.snapshot import SnapshotReader
+    from resilient.snapshot.api import SnapshotError
+    from resilient_tools.verify import verify
+
+    try:
+        steps = SnapshotReader(url).complete_steps()
+    except (OSError, SnapshotError) as e:
+        return PropertyResult("durable_versions_whole", False, f"cannot list {url}: {type(e).__name__}: {e}")
+    if not steps:
+        return PropertyResult("durable_versions_whole", False, f"no complete durable version in {url}")
+    bad = []
+    for step in steps:
+        r = verify(f"{url}@{step}", progress=False)
+        if not r.ok:
+            bad.append(f"step {step}: {r.problems[0].object}: {r.problems[0].problem}")
+    if bad:
+        return PropertyResult("durable_versions_whole", False, f"{len(bad)} of {len(steps)} complete versions damaged: " + "; ".join(bad[:5]))
+    return PropertyResult("durable_versions_whole", True, f"{len(steps)} complete versions verified (steps {steps[0]}..{steps[-1]})")
+
+
 def check_timeline(timeline: list[dict], eps: list[Episode], *, surviving_tiers: Mapping[str, Iterable[str]] | None = None,
                    bound: timedelta | Mapping[str, timedelta] = timedelta(seconds=60), steps: int | None = None) -> list[PropertyResult]:
     """The properties that need only the timeline (what ``report`` can

@@ -44,6 +44,38 @@ def write_results(run_dir: str | os.PathLike, *, scenario: str | dict, propertie
     return path
 
 
+def kind_summary(eps: list[Episode], records: Iterable[InjectionRecord | dict] = (), pacing: Iterable[dict] = ()) -> dict:
+    """Per fault kind, for results.json (and bench/RESULTS.md): faults
+    injected, skipped and failed; restores and their recovery time (fault →
+    first step after the restore), steps lost; for paced faults, the time
+    back to full strength (every seat filled, steps made again)."""
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        if not xs:
+            return {"n": 0}
+        return {"n": len(xs), "mean": round(sum(xs) / len(xs), 3), "median": round(xs[len(xs) // 2], 3), "max": round(xs[-1], 3)}
+
+    out: dict[str, dict] = {}
+    for r in records:
+        d = r if isinstance(r, dict) else r.event_fields()
+        row = out.setdefault(str(d.get("fault")), {"injected": 0, "skipped": 0, "failed": 0})
+        st = d.get("status")
+        row["injected" if st in ("injected", "cleared") else st if st in ("skipped", "failed") else "injected"] += 1
+        if st == "skipped":
+            row["skip_reason"] = d.get("detail", "")
+    for kind, row in out.items():
+        group = [e for e in eps if e.kind == kind and e.status not in NOT_INJECTED]
+        rec = [e.recovery_seconds for e in group if e.recovery_seconds is not None]
+        lost = [e.steps_lost for e in group if e.steps_lost is not None]
+        row["restores"] = sum(1 for e in group if e.restored_at is not None)
+        row["recovery_seconds"] = stats(rec)
+        row["steps_lost"] = {"total": sum(lost), "max": max(lost, default=0)}
+        ready = [p["ready_seconds"] for p in pacing if p.get("kind") == kind and "ready_seconds" in p]
+        if ready:
+            row["full_strength_seconds"] = stats(ready)
+    return out
+
+
 def failed_record(kind: str, target: str, fault_id: str, error: BaseException) -> InjectionRecord:
     """The record of an injection that raised: reported, and fails the run."""
     return InjectionRecord(kind, target, "failed", fault_id, time.time(), detail=f"{type(error).__name__}: {error}")

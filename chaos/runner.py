@@ -40,9 +40,10 @@ from .campaign import evaluate
 from .infra import Infra
 from .injectors import InjectionFailed
 from .jobs import END_GRACE, REPO, EtcdService, FinalState, LocalJob, final_state, loss_diff
-from .properties import PropertyResult
-from .report import report
+from .properties import PropertyResult, durable_versions_whole
+from .report import kind_summary, report
 from .scenario import PlannedFault, Scenario, load_scenario
+from .timeline import episodes, load_timeline
 
 CONTROL_ENV = "RESILIENT_CHAOS_CONTROL"
 
@@ -76,6 +77,7 @@ class RunOutcome:
         self.shm_dir = "/dev/shm"
         self.records: list = []
         self.orphans: list[str] = []
+        self.pacing: list[dict] = []
 
     def to_dict(self) -> dict:
         return {"run_dir": str(self.run_dir), "how": self.how, "seconds": round(self.seconds, 2), "exit_codes": self.exit_codes,
@@ -86,7 +88,7 @@ def _run_job(sc: Scenario, run_dir: Path, overrides: list[str], *, spares: int, 
              infra: Infra | None, budget: timedelta) -> RunOutcome:
     """Start etcd and the agents, fire ``plan`` (if any), wait for the end
     or the budget, and tear everything down whatever happens."""
-    from .campaign import FaultDriver
+    from .campaign import FaultDriver, Pace
 
     out = RunOutcome(run_dir)
     host = infra.netlab.host_address if infra is not None and infra.netlab is not None else "127.0.0.1"
@@ -113,8 +115,11 @@ def _run_job(sc: Scenario, run_dir: Path, overrides: list[str], *, spares: int, 
                 try:
                     job.start()
                     if plan is not None:
-                        driver = FaultDriver(plan, job).start()
-                    out.how = job.wait(budget - timedelta(seconds=time.monotonic() - t0))
+                        pace = Pace(sc.topology.nodes, sc.pace_steps, timedelta(seconds=sc.pace_timeout_seconds))
+                        driver = FaultDriver(plan, job, pace=pace).start()
+                    # A run that need not complete (a soak) ends with its last fault.
+                    until = driver.done if driver is not None and not sc.properties.training_completes else None
+                    out.how = job.wait(budget - timedelta(seconds=time.monotonic() - t0), until=until)
                 except InjectionFailed as e:  # the job could not even form: judged, not crashed
                     out.how, out.error = "error", str(e)
                 finally:
@@ -123,6 +128,7 @@ def _run_job(sc: Scenario, run_dir: Path, overrides: list[str], *, spares: int, 
                     # to clean up, and nothing stays stopped behind it.
                     if driver is not None:
                         out.records = driver.stop()
+                        out.pacing = driver.pacing
                 out.exit_codes = job.exit_codes()
                 out.launched_at = {job.node_id(n): t for n, t in job.launched_at.items()}
                 out.agent_pids = dict(job.agent_pids)
@@ -151,6 +157,18 @@ def _faults_fired(plan: list[PlannedFault], records: list) -> PropertyResult:
     return PropertyResult("faults_injected", True, f"{injected} injected" + (f", {len(skipped)} skipped: " + "; ".join(skipped) if skipped else ""))
 
 
+def _paced_recovered(pacing: list[dict]) -> PropertyResult:
+    """Every paced fault was followed by a recovery to full strength (every
+    seat filled, steps made) before the next one fired."""
+    late = [f"{r['fault_id']} ({r['kind']}): {r['not_ready']}" for r in pacing if "not_ready" in r]
+    ready = [r["ready_seconds"] for r in pacing if "ready_seconds" in r]
+    if late:
+        return PropertyResult("paced_recovered", False, f"{len(late)} of {len(pacing)} paced faults not recovered: " + "; ".join(late[:10]))
+    return PropertyResult("paced_recovered", True, f"{len(ready)} of {len(pacing)} paced faults followed by full strength"
+                          + (f" (max {max(ready):.1f} s after injection)" if ready else "")
+                          + ("; the last one was cut short by the budget" if len(ready) < len(pacing) else ""))
+
+
 # Faults after which a node's agent is expected to die or leave with a non-zero code.
 NODE_ENDING = frozenset({"kill-node", "preemption", "scale-down"})
 
@@ -171,9 +189,10 @@ def _job_ended(outcome: RunOutcome, sc: Scenario) -> PropertyResult:
     codes = {n: c for n, c in outcome.exit_codes.items() if not (n in hit and hit[n] >= outcome.launched_at.get(n, 0.0))}
     late = _failures_after_end(outcome.run_dir)
     clean = outcome.how == "finished" and all(c == 0 for c in codes.values()) and not late
-    ok = clean or (outcome.how == "budget" and not sc.properties.training_completes)
+    ok = clean or (outcome.how in ("budget", "faults done") and not sc.properties.training_completes)
     what = {"finished": "finished", "hung": f"training finished but agents were still running {END_GRACE.total_seconds():.0f} s later (killed)",
             "exited": "every agent exited before training finished", "budget": "ran out of its budget (killed)",
+            "faults done": "every fault fired and the job recovered from the last (stopped)",
             "error": f"could not run: {outcome.error}"}.get(outcome.how, outcome.how)
     return PropertyResult("job_ended", ok, (f"after training finished: {'; '.join(late)}; " if late else "") +
                           f"{what}; {outcome.seconds:.1f} s of {sc.budget_seconds:.0f} s budget; "
@@ -203,9 +222,14 @@ def _failures_after_end(run_dir: Path) -> list[str]:
             for e in evs if e.get("event") in ("failure", "heartbeat_timeout", "worker_error") and e["time"] > t_end]
 
 
-def run_campaign(scenario: str | Path, out: str | Path | None = None, *, log=print) -> int:
-    """Run one scenario end to end; return the exit code (0 = every property holds)."""
+def run_campaign(scenario: str | Path, out: str | Path | None = None, *, log=print, budget: timedelta | None = None) -> int:
+    """Run one scenario end to end; return the exit code (0 = every property
+    holds). ``budget`` replaces the scenario's (a scaled soak)."""
     sc = load_scenario(scenario)
+    if budget is not None:
+        if budget.total_seconds() <= 0:
+            raise ConfigError(f"--budget must be > 0 seconds (got {budget.total_seconds()})")
+        sc.budget_seconds = budget.total_seconds()
     out = Path(out or Path("runs") / "chaos" / f"{sc.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     ref_dir, run_dir = out / "reference", out / "faulted"
     for d in (ref_dir, run_dir):
@@ -230,13 +254,19 @@ def run_campaign(scenario: str | Path, out: str | Path | None = None, *, log=pri
         faulted = _run_job(sc, run_dir, infra.launch_overrides(), spares=sc.topology.spares, plan=plan, infra=infra, budget=sc.budget)
         leaks: dict[str, Any] = infra.leak_kwargs()
         unavailable = dict(infra.unavailable)
+        storage_props = []
+        if {f.kind for f in sc.faults} & {"storage-flaky", "disk-full"}:
+            # Judged before the small volume is unmounted.
+            storage_props.append(durable_versions_whole(infra.durable_plain_url()))
     log(f"chaos: faulted run {faulted.how} in {faulted.seconds:.1f} s")
 
     leaks["ports"] = [*leaks.get("ports", []), *faulted.ports, *(reference.ports if reference else [])]
     leaks["shm_paths"] = [*faulted.shm, *(reference.shm if reference else [])]
     leaks["shm_prefix"], leaks["shm_dir"] = faulted.shm_prefix, faulted.shm_dir
     leaks["found"] = faulted.orphans
-    extra_props = [_faults_fired(plan, faulted.records), _job_ended(faulted, sc)]
+    extra_props = [_faults_fired(plan, faulted.records), _job_ended(faulted, sc), *storage_props]
+    if any(f.paced for f in plan):
+        extra_props.append(_paced_recovered(faulted.pacing))
     if reference is not None:
         # The oracle only needs the reference's final state; how it exited is
         # shown (a runtime that hangs on exit without faults is worth knowing).
@@ -248,7 +278,9 @@ def run_campaign(scenario: str | Path, out: str | Path | None = None, *, log=pri
     ref_val, act_val, diff = _final_values(sc, reference, faulted)
     evaluate(sc, run_dir, faulted.records, reference=ref_val, actual=act_val, diff=diff, leaks=leaks, more=extra_props,
              extra={"runs": {"reference": reference.to_dict() if reference else None, "faulted": faulted.to_dict()},
-                    "unavailable": unavailable, "output": str(out)})
+                    "unavailable": unavailable, "output": str(out),
+                    "per_kind": kind_summary(episodes(load_timeline(run_dir)), faulted.records, faulted.pacing),
+                    "pacing": faulted.pacing})
     _remove_stores(faulted, reference)
     code = report(run_dir)
     log(f"chaos: {'PASS' if code == 0 else 'FAIL'} — {run_dir / 'report.md'}")
@@ -286,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a scenario (reference + faulted run), write the report; exit 0 iff every property holds")
     run.add_argument("scenario", help="scenario TOML, or the name of a shipped one (kill-worker, kill-node, ci-mixed, ...)")
     run.add_argument("--out", default=None, help="output directory (default: runs/chaos/NAME-TIMESTAMP, git-ignored)")
+    run.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                     help="replace the scenario's budget_seconds (e.g. a soak scaled to the time at hand)")
     rep = sub.add_parser("report", help="(re)write report.md and timeline.png of a run directory; exit 0 iff every property held")
     rep.add_argument("dir", help="OUT (of chaos run) or OUT/faulted")
     args = ap.parse_args(argv)
@@ -296,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
     try:
         if args.cmd == "run":
-            return run_campaign(args.scenario, args.out)
+            return run_campaign(args.scenario, args.out,
+                                budget=None if args.budget is None else timedelta(seconds=args.budget))
         d = Path(args.dir)
         if (d / "faulted").is_dir():
             d = d / "faulted"

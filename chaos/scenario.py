@@ -203,7 +203,8 @@ class FaultSpec:
     at_step: int = knob(-1, "inject when the run first reaches this optimizer step")
     at_seconds: float = knob(-1.0, "inject this long after training starts")
     rate_per_minute: float = knob(0.0, "inject at random times, this many per minute on average (seeded)")
-    count: int = knob(1, "rate faults: stop after this many; at_step/at_seconds: always 1")
+    count: int = knob(1, "rate and paced faults: this many; at_step/at_seconds: always 1")
+    paced: bool = knob(False, "inject `count` of these one at a time, each as soon as the job recovered from the previous fault (every seat filled, `pace_steps` steps made): faults as fast as the run recovers")
     params: dict = _many(dict, "parameters of this kind (see the kind's table)")
     recovery_bound_seconds: float = knob(0.0, "bound from fault to the first step after restore; 0 = the scenario's default")
     # Filled in by validation, never read from TOML.
@@ -223,6 +224,7 @@ class Topology:
     network: str = knob("loopback", "loopback: every node on 127.0.0.1; netns: each node in its own network namespace (needed for partition, link-cut, packet-loss)", choices=("loopback", "netns"))
     etcd_members: int = knob(1, "etcd members started for the rendezvous")
     proxy: list[str] = _many(list, "services reached through the TCP proxy (needed for delay/bandwidth/reset): 'etcd', 'rendezvous'")
+    rdzv_conf: list[str] = _many(list, "extra `--rdzv-conf` settings of every agent, e.g. 'store_timeout=20'")
 
 
 @dataclass
@@ -256,6 +258,8 @@ class Scenario:
     description: str = knob("", "what this scenario shows")
     seed: int = knob(0, "seed of random targets and random-rate fault times")
     budget_seconds: float = knob(600.0, "wall-clock budget for the faulted run; exceeding it fails the campaign")
+    pace_steps: int = knob(2, "paced faults: steps the job must make with every seat filled after a fault ended before the next fires")
+    pace_timeout_seconds: float = knob(180.0, "paced faults: a job not recovered this long after a fault ended gets the next fault anyway (and the report says so)")
     topology: Topology = field(default_factory=Topology)
     training: Training = field(default_factory=Training)
     faults: list = _many(list, "the [[faults]] tables")
@@ -289,8 +293,13 @@ class PlannedFault:
     at: timedelta | None
     recovery_bound: timedelta
 
+    @property
+    def paced(self) -> bool:
+        return self.at_step is None and self.at is None
+
     def describe(self) -> str:
-        when = f"step {self.at_step}" if self.at_step is not None else f"t+{self.at.total_seconds():.1f}s"
+        when = (f"step {self.at_step}" if self.at_step is not None else
+                "recovery of the previous fault" if self.at is None else f"t+{self.at.total_seconds():.1f}s")
         return f"{self.fault_id}: {self.kind} → {self.target} at {when}"
 
 
@@ -317,6 +326,8 @@ def plan_faults(sc: Scenario, duration: timedelta) -> list[PlannedFault]:
             planned.append(PlannedFault(f"f{i}", target=_resolve_target(f.parsed_target, rng, sc.topology, f.kind), at_step=f.at_step, at=None, **base))
         elif f.at_seconds >= 0:
             planned.append(PlannedFault(f"f{i}", target=_resolve_target(f.parsed_target, rng, sc.topology, f.kind), at_step=None, at=timedelta(seconds=f.at_seconds), **base))
+        elif f.paced:
+            continue  # below: interleaved with the other paced kinds
         else:
             t, n = 0.0, 0
             while n < f.count:
@@ -325,7 +336,39 @@ def plan_faults(sc: Scenario, duration: timedelta) -> list[PlannedFault]:
                     break
                 planned.append(PlannedFault(f"f{i}.{n}", target=_resolve_target(f.parsed_target, rng, sc.topology, f.kind), at_step=None, at=timedelta(seconds=t), **base))
                 n += 1
-    return sorted(planned, key=lambda p: (p.at_step is None, p.at_step or 0, p.at or timedelta(0)))
+    planned.sort(key=lambda p: (p.at_step is None, p.at_step or 0, p.at or timedelta(0)))
+    return planned + _plan_paced(sc, rng)
+
+
+def _plan_paced(sc: Scenario, rng: random.Random) -> list[PlannedFault]:
+    """Paced faults in seeded rounds: each round takes one of every kind
+    still owed, in a shuffled order, so a soak cut short by its budget has
+    hit every kind about equally often. A scale-up is placed right after a
+    scale-down and brings back the node it stopped."""
+    specs = [(i, f) for i, f in enumerate(sc.faults) if f.paced]
+    ups = [(i, f) for i, f in specs if f.kind == "scale-up"]
+    specs = [(i, f) for i, f in specs if f.kind != "scale-up"]
+    made = {i: 0 for i, _ in specs + ups}
+    out: list[PlannedFault] = []
+
+    def one(i: int, f: FaultSpec, target: Target | None = None) -> PlannedFault:
+        n = made[i]
+        made[i] += 1
+        t = target or _resolve_target(f.parsed_target, rng, sc.topology, f.kind)
+        return PlannedFault(f"f{i}.{n}", f.kind, t, f.parsed_params, None, None, sc.recovery_bound(f))
+
+    for _ in range(max([f.count for _, f in specs + ups], default=0)):
+        due = [(i, f) for i, f in specs if made[i] < f.count]
+        rng.shuffle(due)
+        for i, f in due:
+            out.append(one(i, f))
+            up = next(((j, u) for j, u in ups if made[j] < u.count), None)
+            if f.kind == "scale-down" and up is not None:
+                out.append(one(up[0], up[1], Target("node", out[-1].target.index)))
+    for j, u in ups:  # scale-ups without a scale-down to follow
+        while made[j] < u.count:
+            out.append(one(j, u))
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -334,9 +377,9 @@ def _validate_fault(f: FaultSpec, i: int, sc: Scenario) -> None:
     where = f"faults[{i}]"
     if not f.kind:
         raise ConfigError(f"{src}: {where}.kind is required; one of {', '.join(FAULT_KINDS)}")
-    whens = [f.at_step >= 0, f.at_seconds >= 0, f.rate_per_minute > 0]
+    whens = [f.at_step >= 0, f.at_seconds >= 0, f.rate_per_minute > 0, f.paced]
     if sum(whens) != 1:
-        raise ConfigError(f"{src}: {where} needs exactly one of at_step, at_seconds, rate_per_minute (got {sum(whens)})")
+        raise ConfigError(f"{src}: {where} needs exactly one of at_step, at_seconds, rate_per_minute, paced (got {sum(whens)})")
     if f.count < 1:
         raise ConfigError(f"{src}: {where}.count must be ≥ 1")
     f.parsed_target = parse_target(f.target, f.kind, f"{src} {where}")
@@ -416,6 +459,6 @@ def shipped_scenarios() -> list[Path]:
 def as_dict(sc: Scenario) -> dict:
     """A JSON-able summary (for results.json)."""
     d = {k: v for k, v in dataclasses.asdict(sc).items() if k not in ("faults", "source")}
-    d["faults"] = [{"kind": f.kind, "target": f.target, "at_step": f.at_step, "at_seconds": f.at_seconds, "rate_per_minute": f.rate_per_minute, "count": f.count, "params": f.params} for f in sc.faults]
+    d["faults"] = [{"kind": f.kind, "target": f.target, "at_step": f.at_step, "at_seconds": f.at_seconds, "rate_per_minute": f.rate_per_minute, "paced": f.paced, "count": f.count, "params": f.params} for f in sc.faults]
     d["source"] = sc.source
     return d

@@ -183,3 +183,48 @@ def test_bitflip_request_is_a_valid_flipspec(job):
     inj = make_injector(sc.plan()[0], job)
     spec = inject.FlipSpec.from_dict({**inj.params, "step": 4})
     assert (spec.target, spec.tensor, spec.bit, spec.rank, spec.persistent) == ("param", "w", 29, 1, True)
+
+
+class HealingJob(FakeJob):
+    """A FakeJob whose lost 'nodes' come back (``heal``), with a round of
+    both nodes logged, as the paced driver expects of a LocalJob."""
+
+    def __init__(self, run_dir: Path):
+        from resilient.events import EventLog
+        self.log = EventLog(run_dir / "agents" / "events.jsonl", node="n0", rank=-1)
+        self.log.emit("rendezvous", round=1, group_rank=0, nodes=["n0", "n1"])  # before the trainers' run_start
+        super().__init__(run_dir)
+        self.healed: list[tuple[float, int]] = []
+
+    def heal(self, keep_down=frozenset()):
+        out = []
+        for i, p in enumerate(self.procs):
+            if p.poll() is not None and i not in keep_down:
+                self.healed.append((time.time(), i))
+                self.log.emit("rendezvous", round=2 + len(self.healed), group_rank=0, nodes=["n0", "n1"])
+                self.procs[i] = subprocess.Popen([sys.executable, "-c", TRAINER, str(self.run_dir / f"node{i}" / "events.jsonl"), f"node{i}", str(i)])
+                out.append(f"n{i}")
+        return out
+
+
+def test_paced_faults_fire_one_at_a_time_once_the_job_recovered(tmp_path):
+    from resilient_chaos.campaign import Pace
+    job = HealingJob(tmp_path / "run")
+    sc = scenario_from_dict({**SCENARIO, "faults": [{"kind": "kill-worker", "target": "rank:random", "paced": True, "count": 3}]})
+    plan = sc.plan()
+    assert [f.fault_id for f in plan] == ["f0.0", "f0.1", "f0.2"] and all(f.paced for f in plan)
+    driver = FaultDriver(plan, job, poll=timedelta(milliseconds=50), pace=Pace(seats=2, steps=5, timeout=timedelta(seconds=30))).start()
+    try:
+        wait_for(lambda: len(driver.records) == 3 and driver._last is None, timeout=timedelta(seconds=60))
+    finally:
+        records = driver.stop()
+        job.close()
+    assert [r.status for r in records] == ["cleared"] * 3
+    # Each kill waited for the replacement of the previous victim, then for 5 new steps.
+    steps = [json.loads(l) for i in range(2) for l in (job.run_dir / f"node{i}" / "events.jsonl").read_text().splitlines()]
+    for prev, nxt in zip(records, records[1:]):
+        healed_at = min(t for t, _ in job.healed if t >= prev.injected_at)
+        assert healed_at < nxt.injected_at
+        assert len({e["step"] for e in steps if e["event"] == "step" and healed_at < e["time"] < nxt.injected_at}) >= 5
+    assert [p["fault_id"] for p in driver.pacing] == ["f0.0", "f0.1", "f0.2"]
+    assert all(p["ready_seconds"] > 0 and p["replaced"] for p in driver.pacing)

@@ -212,3 +212,28 @@ def test_no_leaks_finds_processes_shm_and_ports(tmp_path):
         srv.close()
     (shm / "rsnap-job1-node0").unlink()
     assert no_leaks(run_dir, shm_prefix="rsnap-job1", ports=[port], shm_dir=str(shm)).ok
+
+
+def test_a_paced_fault_the_job_never_recovered_from_fails_the_soak():
+    from resilient_chaos.runner import _paced_recovered
+    good = [{"fault_id": "f0.0", "kind": "kill-node", "ready_seconds": 12.5}, {"fault_id": "f1.0", "kind": "hang"}]
+    assert _paced_recovered(good).ok and "cut short" in _paced_recovered(good).detail
+    bad = good + [{"fault_id": "f2.0", "kind": "link-cut", "not_ready": "0:04:00 after it ended: 2 of 3 seats"}]
+    res = _paced_recovered(bad)
+    assert not res.ok and "f2.0 (link-cut)" in res.detail
+
+
+def test_kind_summary_counts_and_times_per_kind():
+    from resilient_chaos.injectors import InjectionRecord
+    from resilient_chaos.report import kind_summary
+    from resilient_chaos.timeline import Episode
+    eps = [Episode("a", "kill-worker", "rank:0", "cleared", 10.0, 10.1, 11.0, 12.0, 7, 6, "local"),
+           Episode("b", "kill-worker", "rank:1", "cleared", 20.0, 20.1, 21.0, 24.0, 9, 9, "peer")]
+    recs = [InjectionRecord("kill-worker", "rank:0", "cleared", "a"), InjectionRecord("kill-worker", "rank:1", "cleared", "b"),
+            InjectionRecord("partition", "node:1", "skipped", "c", detail="skipped: no netns")]
+    pacing = [{"fault_id": "a", "kind": "kill-worker", "ready_seconds": 3.0}, {"fault_id": "b", "kind": "kill-worker", "ready_seconds": 5.0}]
+    out = kind_summary(eps, recs, pacing)
+    kw = out["kill-worker"]
+    assert kw["injected"] == 2 and kw["restores"] == 2 and kw["steps_lost"] == {"total": 1, "max": 1}
+    assert kw["recovery_seconds"]["max"] == 4.0 and kw["full_strength_seconds"]["mean"] == 4.0
+    assert out["partition"]["skipped"] == 1 and "no netns" in out["partition"]["skip_reason"]

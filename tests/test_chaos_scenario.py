@@ -34,8 +34,15 @@ def test_soak_covers_every_kind_and_is_seeded():
     kinds = {f.kind for f in sc.faults}
     assert kinds == set(FAULT_KINDS)
     a, b = sc.plan(), sc.plan()
-    assert a == b and len(a) >= 50
-    assert all(f.at <= sc.budget for f in a)
+    assert a == b
+    # 50 of every kind, paced: every round of 16 has each kind once, a
+    # scale-up right after each scale-down, on the node it stopped.
+    assert all(f.paced for f in a) and len(a) == 50 * len(FAULT_KINDS)
+    for r in range(50):
+        assert {f.kind for f in a[16 * r:16 * (r + 1)]} == set(FAULT_KINDS)
+    for down, up in zip(a, a[1:]):
+        if down.kind == "scale-down":
+            assert up.kind == "scale-up" and up.target == down.target
 
 
 def test_unknown_key_rejected_with_hint():
@@ -52,6 +59,8 @@ def test_unknown_key_rejected_with_hint():
 def test_invalid_faults_rejected():
     with pytest.raises(ConfigError, match="exactly one of"):
         scenario_from_dict(base(at_seconds=5.0))
+    with pytest.raises(ConfigError, match="exactly one of at_step, at_seconds, rate_per_minute, paced"):
+        scenario_from_dict(base(paced=True))
     with pytest.raises(ConfigError, match="cannot target"):
         scenario_from_dict({"name": "t", "faults": [{"kind": "kill-worker", "target": "node:0", "at_step": 1}]})
     with pytest.raises(ConfigError, match="out of range"):
@@ -81,3 +90,20 @@ def test_plan_order_targets_and_bounds():
     assert plan == scenario_from_dict(TABLE).plan()  # same seed, same campaign
     other = scenario_from_dict({**TABLE, "seed": 4}).plan()
     assert [p.at for p in other] != [p.at for p in plan]
+
+
+def test_paced_faults_come_after_the_timed_ones_in_seeded_rounds():
+    table = {**TABLE, "faults": [*TABLE["faults"],
+                                 {"kind": "kill-node", "target": "node:random", "paced": True, "count": 3},
+                                 {"kind": "scale-down", "target": "node:random", "paced": True, "count": 2},
+                                 {"kind": "scale-up", "target": "node:random", "paced": True, "count": 2}]}
+    plan = scenario_from_dict(table).plan()
+    timed, paced = plan[:4], plan[4:]
+    assert not any(f.paced for f in timed) and all(f.paced for f in paced)
+    assert [f.kind for f in paced].count("kill-node") == 3 and len(paced) == 7
+    assert {f.kind for f in paced[:3]} == {"kill-node", "scale-down", "scale-up"}  # each round: one of each kind
+    for down, up in zip(paced, paced[1:]):
+        if down.kind == "scale-down":
+            assert up.kind == "scale-up" and up.target == down.target
+    assert "recovery of the previous fault" in paced[0].describe()
+    assert plan == scenario_from_dict(table).plan()
