@@ -87,8 +87,12 @@ def test_compare_and_swap_on_mod_revision(client, ns):
 
 def test_put_and_get_prefix_is_one_write_then_the_whole_prefix(client, ns):
     client.put(ns + "h/a", "1")
-    got = client.put_and_get_prefix(ns + "h/b", "2", ns + "h/")
+    for step in ("0007", "0012", "0009"):
+        client.put(ns + "c/" + step, step)
+    got, (newest, none) = client.put_and_get_prefix(ns + "h/b", "2", ns + "h/", newest_under=(ns + "c/", ns + "z/"))
     assert [(kv.key, kv.value) for kv in got] == [((ns + "h/a").encode(), b"1"), ((ns + "h/b").encode(), b"2")]
+    assert newest is not None and newest.key == (ns + "c/0012").encode() and none is None
+    assert client.put_and_get_prefix(ns + "h/c", "3", ns + "x/") == ([], [])
 
 
 def test_create_all_is_all_or_nothing(client, ns):

@@ -412,12 +412,17 @@ class EtcdClient:
         cmp = {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
         return self._cas(key, cmp, value, lease)
 
-    def put_and_get_prefix(self, key: bytes | str, value: bytes | str, prefix: bytes | str) -> list[KeyValue]:
-        """Write ``key``, then read every key under ``prefix``, in one round trip (one txn)."""
-        resp = self.txn([], [{"request_put": {"key": _b64(key), "value": _b64(value)}},
-                             {"request_range": _range(prefix)}], [])
-        responses = resp.get("responses") or []
-        return [_kv(kv) for kv in (_response(responses[-1], "range").get("kvs") or [])] if responses else []
+    def put_and_get_prefix(self, key: bytes | str, value: bytes | str, prefix: bytes | str,
+                           newest_under: Sequence[bytes | str] = ()) -> tuple[list[KeyValue], list[KeyValue | None]]:
+        """Write ``key``, then read every key under ``prefix`` and the greatest key under each
+        of ``newest_under`` (None where there is none), in one round trip (one txn)."""
+        ops: list[dict[str, Any]] = [{"request_put": {"key": _b64(key), "value": _b64(value)}},
+                                     {"request_range": _range(prefix)}]
+        ops += [{"request_range": {**_range(p), "limit": 1, "sort_order": "DESCEND", "sort_target": "KEY"}}
+                for p in newest_under]
+        got = [_response(r, "range").get("kvs") or [] for r in (self.txn([], ops, []).get("responses") or [])[1:]]
+        got += [[]] * (len(ops) - 1 - len(got))
+        return [_kv(kv) for kv in got[0]], [_kv(kvs[0]) if kvs else None for kvs in got[1:]]
 
     def create_all(self, items: dict[str, str]) -> bool:
         """Create every key of ``items`` in one transaction, only if none of them exists yet."""

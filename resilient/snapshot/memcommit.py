@@ -199,7 +199,14 @@ class Replicator:
         doc = {"attempt": v.attempt, "world": world, "holders": {str(r): h for r, h in holders.items()}}
         prefix = holds_prefix(self.run_id, v.step)
         merged: dict[str, list[str]] = {}
-        for kv in self.client.put_and_get_prefix(prefix + self.node, json.dumps(doc), prefix):
+        tiers = ("local", "memory")
+        kvs, newest = self.client.put_and_get_prefix(
+            prefix + self.node, json.dumps(doc), prefix, newest_under=[commit_key(self.run_id, t, 0)[:-12] for t in tiers])
+        with self._cond:  # the newest commits, whoever made them: retention must keep them
+            for tier, kv in zip(tiers, newest):
+                if kv is not None:
+                    self.committed[tier] = max(self.committed.get(tier, -1), int(kv.key[-12:]))
+        for kv in kvs:
             try:
                 got = json.loads(kv.value)
             except ValueError:
