@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence, TypeVar
-from urllib.parse import urlsplit
 
 import etcd3gw
 import requests
@@ -42,6 +41,7 @@ from resilient.etcd.api import (
     EtcdUnavailable,
     KeyValue,
 )
+from resilient.etcd.endpoints import DEFAULT_PORT, parse_endpoints  # noqa: F401  (re-exported)
 
 __all__ = [
     "EtcdClient",
@@ -54,7 +54,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 2379
 _T = TypeVar("_T")
 
 # Transport-level failures worth retrying: the server is down, restarting,
@@ -112,42 +111,6 @@ def _response(resp: dict[str, Any], kind: str) -> dict[str, Any]:
     # The 3.4 gateway emits snake_case names; accept camelCase too.
     camel = "response" + kind[0].upper() + kind[1:]
     return resp.get("response_" + kind) or resp.get(camel) or {}
-
-
-def parse_endpoints(
-    endpoints: str | Sequence[str], default_port: int = DEFAULT_PORT
-) -> list[tuple[str, str, int]]:
-    """Parse ``"host:port,host2:port2"`` (or a list) into (scheme, host, port).
-
-    Accepts what torch's etcd backend accepts (``host``, ``host:port``) plus
-    ``http://`` / ``https://`` URLs and bracketed IPv6 (``[::1]:2379``).
-    """
-    if isinstance(endpoints, str):
-        items = [e.strip() for e in endpoints.split(",")]
-    else:
-        items = [str(e).strip() for e in endpoints]
-    items = [e for e in items if e]
-    if not items:
-        raise EtcdError(
-            "no etcd endpoint given; pass HOST:PORT (comma-separated for a cluster), "
-            "e.g. --rdzv-endpoint 10.0.0.5:2379"
-        )
-    out = []
-    for item in items:
-        scheme = ""
-        if "://" in item:
-            scheme = item.split("://", 1)[0].lower()
-            if scheme not in ("http", "https"):
-                raise EtcdError(f"etcd endpoint {item!r}: scheme must be http or https")
-        parts = urlsplit(item if scheme else "//" + item)
-        try:
-            host, port = parts.hostname, parts.port
-        except ValueError as exc:
-            raise EtcdError(f"etcd endpoint {item!r} is not HOST:PORT ({exc})") from None
-        if not host:
-            raise EtcdError(f"etcd endpoint {item!r} has no host; expected HOST:PORT")
-        out.append((scheme, host, port or default_port))
-    return out
 
 
 @dataclass(frozen=True)
