@@ -74,9 +74,18 @@ def summarize(path: Path) -> dict:
         parts = key.split(".")
         unit = "s" if any(x.endswith(("_s", "seconds")) for x in parts) else "steps" if "step" in key else ""
         figures[f"summary.{key}"] = fig([v], unit, key.replace("_", " "), 3)
-    kinds = Counter((i.get("kind", "?"), i.get("status", i.get("outcome", "?"))) for i in inj if isinstance(i, dict))
-    for (kind, status), n in sorted(kinds.items()):
-        figures[f"injections.{kind}.{status}"] = fig([n], "faults", f"{kind} ({status})", 0)
+    per_kind = body.get("per_kind") if isinstance(body.get("per_kind"), dict) else {}
+    for kind, k in sorted(per_kind.items()):  # the runner's own summary by fault kind
+        figures[f"{kind}.injected"] = fig([k.get("injected", 0)], "faults", f"{kind}: injected", 0)
+        rec = k.get("recovery_seconds") or {}
+        if rec.get("n"):
+            figures[f"{kind}.recovery"] = fig([rec["median"]], "s", f"{kind}: recovery (median; max {rec.get('max')} s)", 2)
+        lost = k.get("steps_lost") or {}
+        figures[f"{kind}.steps_lost"] = fig([lost.get("total", 0)], "steps", f"{kind}: steps lost (total; max {lost.get('max', 0)})", 0)
+    if not per_kind:  # an older report: count its injections by kind and status
+        kinds = Counter((i.get("kind", "?"), i.get("status", i.get("outcome", "?"))) for i in inj if isinstance(i, dict))
+        for (kind, status), n in sorted(kinds.items()):
+            figures[f"injections.{kind}.{status}"] = fig([n], "faults", f"{kind} ({status})", 0)
     held = [p for p in props if p.get("ok", p.get("held", p.get("passed"))) is True]
     failed = [p.get("name", "?") for p in props if p.get("ok", p.get("held", p.get("passed"))) is False]
     goals = [goal("every property of the soak held (no committed step lost, each step committed once, "
