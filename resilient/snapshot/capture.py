@@ -127,6 +127,11 @@ class Slot:
     _pairs_key: tuple = ()
     _pairs_held: list = field(default_factory=list)
 
+    @property
+    def idle(self) -> bool:
+        """Neither being captured into nor wanted by any writer."""
+        return self.state == "free" and not self.targets and not self.busy
+
     def pairs(self, tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(destination views into the buffer, source views of the local shards), one pair
         per written piece. Built once per plan, buffer and set of tensor objects: a training
@@ -190,7 +195,7 @@ class SlotRing:
     def acquire(self, plan: CapturePlan, pin: bool) -> tuple[Slot, int | None]:
         """A slot to capture into and the step it coalesces away (None if it was free)."""
         with self._cond:
-            free = [s for s in self._slots if s.state == "free" and not s.targets and not s.busy]
+            free = [s for s in self._slots if s.idle]
             if free:
                 slot, skipped = free[0], None
             else:
@@ -207,7 +212,7 @@ class SlotRing:
     def preallocate(self, plan: CapturePlan, pin: bool) -> None:
         """Allocate every free slot's buffer for ``plan`` and touch its pages."""
         with self._cond:
-            idle = [s for s in self._slots if s.state == "free" and not s.targets and not s.busy]
+            idle = [s for s in self._slots if s.idle]
         for slot in idle:
             if slot.buffer is None or slot.buffer.numel() < plan.total_bytes:
                 slot.buffer = torch.zeros(max(plan.total_bytes, 1), dtype=torch.uint8, pin_memory=pin)

@@ -48,8 +48,12 @@ from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError, peer_o
 log = logging.getLogger(__name__)
 
 
+def commit_prefix(run_id: str, tier: str) -> str:
+    return f"/resilient/{run_id}/commit/{tier}/"
+
+
 def commit_key(run_id: str, tier: str, step: int) -> str:
-    return f"/resilient/{run_id}/commit/{tier}/{step:012d}"
+    return f"{commit_prefix(run_id, tier)}{step:012d}"
 
 
 def holds_prefix(run_id: str, step: int) -> str:
@@ -201,7 +205,7 @@ class Replicator:
         merged: dict[str, list[str]] = {}
         tiers = ("local", "memory")
         kvs, newest = self.client.put_and_get_prefix(
-            prefix + self.node, json.dumps(doc), prefix, newest_under=[commit_key(self.run_id, t, 0)[:-12] for t in tiers])
+            prefix + self.node, json.dumps(doc), prefix, newest_under=[commit_prefix(self.run_id, t) for t in tiers])
         with self._cond:  # the newest commits, whoever made them: retention must keep them
             for tier, kv in zip(tiers, newest):
                 if kv is not None:
@@ -253,7 +257,7 @@ class Replicator:
         if step <= 0:
             return
         ops = []
-        for prefix in (f"/resilient/{self.run_id}/commit/local/", f"/resilient/{self.run_id}/commit/memory/",
+        for prefix in (commit_prefix(self.run_id, "local"), commit_prefix(self.run_id, "memory"),
                        f"/resilient/{self.run_id}/mem/holds/"):
             lo, hi = f"{prefix}{0:012d}", f"{prefix}{step:012d}"
             ops.append({"request_delete_range": {"key": base64.b64encode(lo.encode()).decode(),

@@ -82,16 +82,21 @@ class SnapshotReader:
         """One chunk as a CPU tensor of shape ``chunk.sizes``, verified."""
         path = self.object_path(manifest, chunk)
         where = f"{path}@{chunk.offset}+{chunk.length} ({tensor.name})"
-        for attempt in (1, 2):  # a bit flipped in transit reads right the second time; one on disk doesn't
-            data = with_retry(lambda: read_range(self.fs, path, chunk.offset, chunk.offset + chunk.length),
-                              path, self.retry)
+        data = self._verified(lambda: read_range(self.fs, path, chunk.offset, chunk.offset + chunk.length),
+                              path, chunk, where)
+        return decode_chunk(data, tensor, chunk, where)
+
+    def _verified(self, read, path: str, chunk: ChunkRecord, where: str):
+        """``read()`` (with storage retries) until its bytes match the chunk's checksum: a bit
+        flipped in transit reads right the second time; one on disk doesn't (raises)."""
+        for attempt in (1, 2):
+            data = with_retry(read, path, self.retry)
             try:
                 verify(data, chunk.checksum, where)
-                break
+                return data
             except SnapshotCorrupt:
                 if attempt == 2:
                     raise
-        return decode_chunk(data, tensor, chunk, where)
 
     def read_into(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord, out: torch.Tensor) -> bool:
         """Read an uncompressed chunk of a local file straight into ``out`` (contiguous, the
@@ -105,14 +110,12 @@ class SnapshotReader:
         path = self.object_path(manifest, chunk)
         where = f"{path}@{chunk.offset}+{chunk.length} ({tensor.name})"
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if chunk.length else memoryview(bytearray())
-        for attempt in (1, 2):  # as read_chunk: a transient misread reads right the second time
-            with_retry(lambda: read_range_into(self.fs, path, chunk.offset, view), path, self.retry)
-            try:
-                verify(view, chunk.checksum, where)
-                return True
-            except SnapshotCorrupt:
-                if attempt == 2:
-                    raise
+
+        def read() -> memoryview:
+            read_range_into(self.fs, path, chunk.offset, view)
+            return view
+
+        self._verified(read, path, chunk, where)
         return True
 
     def verify(self, manifest: Manifest) -> list[SnapshotError]:

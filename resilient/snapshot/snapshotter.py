@@ -103,6 +103,7 @@ class Snapshotter:
         self._plan = None
         self._sig: tuple = ((), ())
         self._held: list[torch.Tensor] = []
+        self._pin = False  # pinned host buffers (any tensor on a GPU), decided with the plan
         self._plain_writers: set[str] | None = None  # None: this rank writes every plain tensor
         self._last_time = time.monotonic()
         self._closed = False
@@ -171,7 +172,8 @@ class Snapshotter:
                 self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
                 self._sig = sig
             self._held = list(tensors.values())
-        pin = _wants_pinned(tensors)
+            self._pin = _wants_pinned(tensors)
+        pin = self._pin
         mine = self._plain_writers
         # JSON state is frozen now: the loop may mutate it (an LR scheduler) before the upload.
         frozen = json.loads(json.dumps({"extra": extra, "global": global_extra, "values": {
@@ -204,8 +206,8 @@ class Snapshotter:
         self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
         self._sig = (state_signature(tensors), tuple(values))
         self._held = list(tensors.values())
-        pin = _wants_pinned(tensors)
-        self._ring.preallocate(self._plan, pin)
+        self._pin = _wants_pinned(tensors)
+        self._ring.preallocate(self._plan, self._pin)
 
     def fence(self) -> None:
         """On CUDA with ``overlap=True``: order later kernels after the capture copies."""

@@ -122,25 +122,32 @@ def write_object(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[Any]
         raise OSError(f"{path}: wrote {size} bytes but storage holds {got} (torn write)")
 
 
+def _missing(path: str) -> SnapshotIncomplete:
+    return SnapshotIncomplete(f"{path}: object is missing; the version is incomplete", path)
+
+
+def _truncated(path: str, start: int, end: int, got: int) -> SnapshotCorrupt:
+    return SnapshotCorrupt(
+        f"{path}: object is truncated (wanted bytes {start}-{end}, got {got} bytes); "
+        "the version is damaged, restore falls back to an older one", path)
+
+
 def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of ``path``; :class:`SnapshotIncomplete` if missing or short."""
     try:
         data = fs.cat_file(path, start=start, end=end)
     except FileNotFoundError:
-        raise SnapshotIncomplete(f"{path}: object is missing; the version is incomplete", path) from None
+        raise _missing(path) from None
     if len(data) != end - start:
-        raise SnapshotCorrupt(
-            f"{path}: object is truncated (wanted bytes {start}-{end}, got {len(data)} bytes); "
-            "the version is damaged, restore falls back to an older one", path)
+        raise _truncated(path, start, end, len(data))
     return data
 
 
 def read_range_into(fs: fsspec.AbstractFileSystem, path: str, start: int, out: memoryview) -> None:
     """Read ``len(out)`` bytes of a local file from ``start`` into ``out`` (no intermediate
     bytes object); the same errors as :func:`read_range`."""
-    local = fs._strip_protocol(path)
     try:
-        with open(local, "rb", buffering=0) as f:
+        with open(fs._strip_protocol(path), "rb", buffering=0) as f:
             f.seek(start)
             got = 0
             while got < len(out):
@@ -149,8 +156,6 @@ def read_range_into(fs: fsspec.AbstractFileSystem, path: str, start: int, out: m
                     break
                 got += n
     except FileNotFoundError:
-        raise SnapshotIncomplete(f"{path}: object is missing; the version is incomplete", path) from None
+        raise _missing(path) from None
     if got != len(out):
-        raise SnapshotCorrupt(
-            f"{path}: object is truncated (wanted bytes {start}-{start + len(out)}, got {got} bytes); "
-            "the version is damaged, restore falls back to an older one", path)
+        raise _truncated(path, start, start + len(out), got)
