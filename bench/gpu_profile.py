@@ -72,6 +72,16 @@ def scratch_dir(need_bytes: int) -> str:
     return tempfile.mkdtemp(prefix="resilient-gpu-profile-")
 
 
+class Seen:
+    """An event sink that keeps what it is given (the restore's own timing breakdown)."""
+
+    def __init__(self):
+        self.seen: list[dict] = []
+
+    def emit(self, kind: str, **fields) -> None:
+        self.seen.append({"kind": kind, **fields})
+
+
 class Profile:
     def __init__(self, args: argparse.Namespace):
         import torch
@@ -97,6 +107,7 @@ class Profile:
         self.fpt = flops_per_token(self.cfg.model, self.seq)
         self.peak = (peak_tflops(device_peak_tflops) if self.cuda else 1.0) * 1e12
         self.batch = args.batch
+        self.events = Seen()
         self.sdpa = "flash"
         self.out: dict = {"gpu": self.cuda, "device": torch.cuda.get_device_name() if self.cuda else "cpu (--smoke)",
                           "torch": torch.__version__,
@@ -208,7 +219,8 @@ class Profile:
         base = statistics.median(self.timed(self.args.steps))
         res = {"plain_step_s": round(base, 4)}
         for mode, overlap in (("blocking", False), ("side_stream", True)):
-            snap = Snapshotter(f"file://{self.scratch}/{mode}", every=1, keep_last=1, overlap=overlap)
+            snap = Snapshotter(f"file://{self.scratch}/{mode}", every=1, keep_last=1, overlap=overlap,
+                               events=self.events)
             t0 = time.perf_counter()
             snap.prepare(state)  # pinned host buffers, allocated once
             res[f"{mode}_prepare_s"] = round(time.perf_counter() - t0, 2)
@@ -256,10 +268,12 @@ class Profile:
         got = snap.restore(state)
         self.sync()
         dt = time.perf_counter() - t0
+        ev = next((e for e in reversed(self.events.seen) if e["kind"] == "restore"), {})
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         self.out["restore"] = {"seconds": round(dt, 3), "step": getattr(got, "step", None),
                                "gb_s": round(nbytes / 2**30 / dt, 2),
-                               "nonzero": bool(any(t.abs().sum().item() > 0 for t in list(state.values())[:4]))}
+                               "nonzero": bool(any(t.abs().sum().item() > 0 for t in list(state.values())[:4])),
+                               **{k: ev.get(k) for k in ("stage_s", "agree_s", "copy_s")}}
         snap.close()
 
     def empty_cache(self) -> None:

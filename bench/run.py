@@ -103,8 +103,9 @@ def run_one(name: str, quick: bool) -> dict:
         mod = importlib.import_module(f"bench_{name}")
         res = mod.run(quick)
     res.setdefault("command", f"python bench/run.py {name}{' --quick' if quick else ''}")
+    res.setdefault("host", f"{platform.node()}, {_cores()} cores, torch {_torch()}")  # a reader row names its own
     res.update(name=name, quick=quick, date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               wall_s=round(time.time() - t0, 1), host=f"{platform.node()}, {_cores()} cores, torch {_torch()}",
+               wall_s=round(time.time() - t0, 1),
                load=" → ".join("/".join(f"{x:.1f}" for x in la) for la in (load0, os.getloadavg())))
     return res
 

@@ -26,6 +26,7 @@ import dataclasses
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from resilient.config import Config
@@ -136,10 +137,17 @@ class TrainState:
         if self.durable is None or not self.cfg.snapshot.resume:
             return None
         state = self.state()
+        # Allocate the capture buffers now rather than in the first saves (on a GPU they are
+        # pinned, which costs seconds per GB-scale slot), and stage the restore into one.
+        writer = self.memory if self.memory is not None else (
+            self.durable if self.cfg.snapshot.durable_every or self.cfg.snapshot.durable_seconds else None)
+        if writer is not None:
+            writer.prepare(state)
+        arena = writer.staging() if writer is not None else None
         if self.store is None and max_step is None:
             restored = self.durable.restore(state)
         else:
-            restored = self._restore_tiered(state, max_step)
+            restored = self._restore_tiered(state, max_step, arena)
         if restored is None:
             return None
         for part, opt in zip(self.model.parts, self.optimizer.optimizers):
@@ -159,7 +167,8 @@ class TrainState:
             self.durable_step = restored.step
         return restored
 
-    def _restore_tiered(self, state: dict, max_step: int | None = None) -> Restored | None:
+    def _restore_tiered(self, state: dict, max_step: int | None = None,
+                        arena: torch.Tensor | None = None) -> Restored | None:
         durable = SnapshotReader(self.durable.url, self.durable.storage_options, self.durable.retry)
         secret = self.store.secret() if self.store is not None else None
         candidates, readers = tiered_candidates(self.store, durable, self.events, secret)
@@ -168,7 +177,7 @@ class TrainState:
         try:
             restored = restore_candidates(candidates, state, rank=self.durable.rank,
                                           config_digest=self.cfg.digest(), events=self.events,
-                                          layout=self.model.layout.as_dict())
+                                          layout=self.model.layout.as_dict(), arena=arena)
         finally:
             for r in readers:
                 r.close()

@@ -217,6 +217,14 @@ class SlotRing:
             if slot.buffer is None or slot.buffer.numel() < plan.total_bytes:
                 slot.buffer = torch.zeros(max(plan.total_bytes, 1), dtype=torch.uint8, pin_memory=pin)
 
+    def staging(self) -> torch.Tensor | None:
+        """An idle slot's buffer, lent to a restore as its staging area. Safe without a
+        lock held afterwards: only the training thread captures, and it is the one
+        restoring; writers touch only slots that have targets."""
+        with self._cond:
+            idle = [s.buffer for s in self._slots if s.idle and s.buffer is not None]
+        return max(idle, key=lambda b: b.numel(), default=None)
+
     def copy_into(self, slot: Slot, tensors: dict[str, torch.Tensor], overlap: bool) -> None:
         """Copy every written piece into ``slot``'s buffer (async on CUDA)."""
         dsts, srcs = slot.pairs(tensors)

@@ -21,6 +21,7 @@ from resilient.snapshot.api import (
     Manifest, Restored, SnapshotError, SnapshotMismatch,
 )
 from resilient.snapshot.boxes import Box, local_pieces
+from resilient.snapshot.capture import ALIGN
 from resilient.snapshot.durable import emit
 from resilient.snapshot.flatten import iter_leaves
 from resilient.snapshot.format import dtype_name
@@ -51,8 +52,26 @@ def _candidates(reader: SnapshotReader) -> list[int]:
     return steps
 
 
-def _stage(reader: SnapshotReader, m: Manifest, state: dict, config_digest: str,
-           strict: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[Any, Any, Any]], int]:
+class _Staging:
+    """Host tensors to stage into: carved from ``arena`` (a flat uint8 buffer) while it
+    lasts, then fresh. The arena is the capture ring's idle buffer: on a GPU it is pinned,
+    so the final host→device copies run at full speed (measured on an H200: 55 GB/s pinned
+    against 13 GB/s pageable), and on any device its pages are already faulted in."""
+
+    def __init__(self, arena: torch.Tensor | None):
+        self.arena, self.used = arena, 0
+
+    def empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = torch.Size(sizes).numel() * dtype.itemsize
+        start = -(-self.used // ALIGN) * ALIGN
+        if self.arena is None or start + n > self.arena.numel():
+            return torch.empty(sizes, dtype=dtype)
+        self.used = start + n
+        return self.arena[start:start + n].view(dtype).view(sizes)
+
+
+def _stage(reader: SnapshotReader, m: Manifest, state: dict, config_digest: str, strict: bool,
+           staging: _Staging) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[Any, Any, Any]], int]:
     """Read and verify this rank's part of version ``m`` into host staging tensors."""
     if strict and config_digest and m.config_digest and m.config_digest != config_digest:
         raise SnapshotMismatch(
@@ -81,7 +100,7 @@ def _stage(reader: SnapshotReader, m: Manifest, state: dict, config_digest: str,
         local = value.to_local() if hasattr(value, "to_local") else value
         wanted = []
         for p in pieces:
-            stage = torch.empty(p.box.sizes, dtype=local.dtype)
+            stage = staging.empty(p.box.sizes, local.dtype)
             wanted.append((p.box, stage))
             copies.append((local[p.local.slices_within(Box((0,) * local.dim(), tuple(local.shape)))], stage))
         if wanted:
@@ -91,22 +110,25 @@ def _stage(reader: SnapshotReader, m: Manifest, state: dict, config_digest: str,
 
 
 def restore_state(reader: SnapshotReader, state: dict, *, rank: int, config_digest: str = "",
-                  strict: bool = True, events: Any = None, layout: dict | None = None) -> Restored | None:
+                  strict: bool = True, events: Any = None, layout: dict | None = None,
+                  arena: torch.Tensor | None = None) -> Restored | None:
     """Restore ``state`` (nested dict of tensors/DTensors/JSON) in place from the newest usable version.
 
     Returns None when no complete version exists. Raises the newest version's
     error when versions exist but none can be restored on every rank."""
     return restore_candidates([(s, reader, "durable") for s in _candidates(reader)], state, rank=rank,
-                              config_digest=config_digest, strict=strict, events=events, layout=layout)
+                              config_digest=config_digest, strict=strict, events=events, layout=layout,
+                              arena=arena)
 
 
 def restore_candidates(candidates: list[tuple[int, Any, str]], state: dict, *, rank: int,
                        config_digest: str = "", strict: bool = True, events: Any = None,
-                       layout: dict | None = None) -> Restored | None:
+                       layout: dict | None = None, arena: torch.Tensor | None = None) -> Restored | None:
     """Try ``(step, reader, tier)`` in order (the same list on every rank) until one stages on
     every rank; copy it in place. A reader is a :class:`SnapshotReader` or anything with its
     ``url``, ``threads``, ``manifest``, ``manifest_path`` and ``read_chunk`` (the memory tiers);
-    one with ``served_tier()`` names the tier that actually served this rank (``local``/``peer``)."""
+    one with ``served_tier()`` names the tier that actually served this rank (``local``/``peer``).
+    ``arena``: a flat uint8 host buffer to stage into (see :class:`_Staging`); not kept."""
     t0 = time.monotonic()
     first_error: SnapshotError | None = None
     for step, reader, tier in candidates:
@@ -114,20 +136,29 @@ def restore_candidates(candidates: list[tuple[int, Any, str]], state: dict, *, r
         try:
             m = reader.manifest(step)
             with torch.no_grad():
-                copies, assigns, nbytes = _stage(reader, m, state, config_digest, strict)
+                copies, assigns, nbytes = _stage(reader, m, state, config_digest, strict, _Staging(arena))
         except SnapshotError as e:
             err = e
+        t_staged = time.monotonic()
         if _all_ok(err is None):
+            t_agreed = time.monotonic()
             with torch.no_grad():
+                pinned = arena is not None and arena.is_pinned()
                 for dst, staged in copies:
-                    dst.copy_(staged)
+                    dst.copy_(staged, non_blocking=pinned and dst.is_cuda)
+                if pinned and torch.cuda.is_available():
+                    torch.cuda.current_stream().synchronize()  # the arena is the capture ring's again
             for container, key, value in assigns:
                 container[key] = value
             world = dist.get_world_size() if _dist() else 1
             resharded = m.world != world or (layout is not None and m.layout != layout)
             served = reader.served_tier() if hasattr(reader, "served_tier") else tier
             emit(events, "restore", step=m.step, url=reader.url, seconds=round(time.monotonic() - t0, 4),
-                 bytes_read=nbytes, resharded=resharded, writer_world=m.world, tier=served)
+                 bytes_read=nbytes, resharded=resharded, writer_world=m.world, tier=served,
+                 # where the time went: reading + verifying into staging, waiting for every rank,
+                 # copying into the live tensors (host→device on a GPU)
+                 stage_s=round(t_staged - t0, 4), agree_s=round(t_agreed - t_staged, 4),
+                 copy_s=round(time.monotonic() - t_agreed, 4))
             return Restored(step=m.step, extra=m.rank_extras.get(rank), global_extra=m.extra,
                             rank_extras=m.rank_extras, layout=m.layout, world=m.world, url=reader.url,
                             resharded=resharded)

@@ -222,7 +222,12 @@ class Snapshotter:
         version); falls back to older versions when the newest is corrupt."""
         reader = SnapshotReader(self.url, self.storage_options, self.retry, self.opts.threads * 2)
         return restore_state(reader, state, rank=self.rank, config_digest=self.config_digest,
-                             strict=strict, events=self.events, layout=self.layout)
+                             strict=strict, events=self.events, layout=self.layout, arena=self.staging())
+
+    def staging(self) -> torch.Tensor | None:
+        """A host buffer of this writer's ring (after :meth:`prepare`) that a restore may stage
+        into: pinned when the state is on a GPU, so its host→device copies run at full speed."""
+        return self._ring.staging()
 
     # ------------------------------------------------------------ lifecycle
     def wait(self, timeout: timedelta = timedelta(minutes=10)) -> bool:
