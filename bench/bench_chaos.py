@@ -28,11 +28,15 @@ from common import REPO, fig, goal, pending, row
 
 ENV = "BENCH_CHAOS_REPORT"
 DEFAULT_DIR = REPO / "runs" / "chaos"
+KEPT_DIR = REPO / "bench" / "results" / "chaos-soak"  # the soak report kept in the repository
 
 
 def find_report(where: str | os.PathLike | None = None) -> Path | None:
-    """The report to read: a file given, or the newest JSON report under a folder."""
-    where = Path(where or os.environ.get(ENV) or DEFAULT_DIR)
+    """The report to read: a file given, or the newest JSON report under a folder; without
+    either, the newest local run's (runs/chaos/), else the one kept in the repository."""
+    if where is None and not os.environ.get(ENV):
+        return find_report(DEFAULT_DIR) or find_report(KEPT_DIR)
+    where = Path(where or os.environ.get(ENV))
     if where.is_file():
         return where
     if not where.is_dir():

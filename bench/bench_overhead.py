@@ -109,6 +109,7 @@ def run(quick: bool) -> dict:
         peer = sum(1 for e in events(run_dir, "commit") if e.get("tier") == "peer")
     finally:
         drop_dir(root)
+    snap_steps = sum(1 for st in range(1, steps + 1) if (mode_of(st, spec) or "snap").startswith("snap"))
     if not ratios.get("snap"):
         raise RuntimeError("no complete cycle of blocks was recorded")
     figures = {m: fig(allg[m], "s", f"step gap, {LABELS[m]}") for m in MODES}
@@ -127,7 +128,10 @@ def run(quick: bool) -> dict:
              f"the first {drop} gaps of each block dropped; 2 nodes × 1 worker (dp=2), demo model (dim 128, "
              "4 layers, seq 128, batch 16; ~14 MB of weights + Adam state), spares off, durable uploads off "
              "(they run in the background every N steps; the durable row measures them).",
-             f"{peer} peer commits recorded (replication k=1 ran in the snap blocks).",
+             f"{peer} peer commits recorded over the {snap_steps} steps that snapshot (warm-up and the snap "
+             f"blocks): one per {snap_steps / max(peer, 1):.1f} steps. Replication k=1 runs under its default "
+             "budget (snapshot.replicate_duty, replicate_max_stride): every version while a version costs the "
+             "agent under a tenth of the time between versions, else every 2nd.",
              "Modes switched by a benchmark-only hook (bench/overhead_hook/sitecustomize.py) around "
              "TrainState.after_step and Trainer.train_step; the production code is unchanged.",
              "Loads before/after: " + "; ".join(loads) + ".",

@@ -25,9 +25,14 @@ Nobody publishes these numbers for a training runtime; here is how ours are made
 - False positives: ≥1000 consecutive clean steps of the same tiny job.
 - Overhead: the demo model (configs/demo.toml sizes: dim 128, 4 layers, seq
   128, batch 16) twice in one job, with and without the checks, stepped
-  alternately (the order swapped every step); per pair the ratio checked /
-  plain; the median of the ratios and a bootstrap 95% interval. Also the
-  share of a checked step spent inside SDC code (timed by the monitor).
+  alternately (the order swapped every step). Two estimates, each the median
+  with a bootstrap 95% interval, each in wall-clock and in process-CPU time:
+  *direct*, the time the monitor's own clocks count inside SDC code per
+  checked step, over the rest of that step; *A/B*, checked / plain per pair.
+  The A/B ratio is what a user feels, but on this shared 2-core machine its
+  interval is a few percent wide; the direct figure resolves tenths of a
+  percent. The goal is judged on the direct CPU figure, and left unjudged if
+  the A/B interval contradicts it.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ DEMO_MODEL = {"model.dim": 128, "model.n_layers": 4, "model.n_heads": 4, "model.
 class Loop:
     """One rank's training loop with the SDC hooks where train.py has them."""
 
-    def __init__(self, sets: dict, corpus: str, sdc: bool, steps: int):
+    def __init__(self, sets: dict, corpus: str, sdc: bool, steps: int, sdc_kw: dict | None = None):
         import torch
 
         from resilient.config import load_config
@@ -72,9 +77,10 @@ class Loop:
         self.model = build_model(self.cfg, self.layout, torch.device("cpu"), torch.float32)
         self.opt = Optimizers(self.model.parts, self.cfg.train)
         self.corpus = TokenCorpus(corpus, self.cfg.train.seq_len, self.cfg.train.seed, self.cfg.data.val_fraction)
-        self.mon = SdcMonitor(SdcConfig(), device="cpu") if sdc else None
+        self.mon = SdcMonitor(SdcConfig(**(sdc_kw or {})), device="cpu") if sdc else None
         if self.mon is not None:
             self.mon.watch_fsdp(self.model.parts)
+            self.mon.watch_optimizer(self.opt)
         self.flips: list = []
         self.step = 0
 
@@ -216,27 +222,117 @@ def campaign(rank: int, world: int, corpus: str, clean_steps: int, trials: list[
     return {"fp": fp, "trials": out}
 
 
-def overhead(rank: int, world: int, corpus: str, pairs: int) -> dict:
-    """The demo model with and without the checks, stepped alternately."""
+PARTS = {"wrapper": "reduce-scatter wrapper: input sums and L1, output sum and bit-sum",
+         "tables": "gradient checks: local tables (output bit-sums again, stacking)",
+         "rest_record": "at rest: hashing parameters and Adam state after the step",
+         "rest_verify": "at rest: verifying them before the next optimizer step",
+         "exchange": "agreement: the one all_gather per hook",
+         "judge": "judging the gathered tables, loss checks"}
+
+
+def _clock_parts(mon) -> dict:
+    """Process-CPU clocks around the monitor's parts (instance attributes shadow
+    the methods the hooks call): where the overhead goes. Bench-only."""
+    from resilient.sdc.api import Spent
+
+    clocks = {k: Spent() for k in PARTS}
+
+    def timed(fn, key):
+        def run(*a, **kw):
+            t0 = Spent.now()
+            try:
+                return fn(*a, **kw)
+            finally:
+                clocks[key].since(t0)
+        return run
+
+    mon._at_rest_check = timed(mon._at_rest_check, "rest_verify")
+    mon.resting.record = timed(mon.resting.record, "rest_record")
+    mon._exchange_scalars = timed(mon._exchange_scalars, "exchange")
+    mon._loss_checks = timed(mon._loss_checks, "judge")
+    for chk in mon.reductions:
+        chk.local_rows = timed(chk.local_rows, "tables")
+        chk.judge = timed(chk.judge, "judge")
+    return clocks
+
+
+def overhead(rank: int, world: int, corpus: str, pairs: int, sdc_kw: dict | None = None) -> dict:
+    """The demo model with and without the checks, stepped alternately.
+
+    Per step: wall and process-CPU seconds of the whole step, and for the
+    checked copy the seconds spent inside SDC code (the monitor's own clocks
+    around its hooks and the reduce-scatter wrappers' sums).
+    """
     import torch.distributed as dist
 
-    plain, checked = (Loop(DEMO_MODEL, corpus, sdc=s, steps=pairs + 10) for s in (False, True))
-    times: dict[bool, list[float]] = {False: [], True: []}
-    share = []
+    plain, checked = (Loop(DEMO_MODEL, corpus, sdc=s, steps=pairs + 10, sdc_kw=sdc_kw) for s in (False, True))
+    clocks = _clock_parts(checked.mon)
+    wrappers = [u.spent for chk in checked.mon.reductions for u in chk.units]
+    out: dict[str, list[float]] = {k: [] for k in ("plain_wall", "plain_cpu", "checked_wall", "checked_cpu",
+                                                   "sdc_wall", "sdc_cpu", *(f"part_{p}" for p in PARTS))}
     for i in range(pairs + 2):                    # the first 2 pairs warm up
         for on in ((False, True) if i % 2 else (True, False)):
             loop = checked if on else plain
             dist.barrier()
-            before = loop.mon.overhead_seconds() if on else 0.0
-            t0 = time.perf_counter()
+            before = (loop.mon.overhead_seconds(), loop.mon.overhead_seconds(cpu=True)) if on else (0.0, 0.0)
+            parts0 = {k: c.cpu for k, c in clocks.items()} | {"wrapper": sum(w.cpu for w in wrappers)}
+            w0, c0 = time.perf_counter(), time.process_time()
             loop.run_step()
-            dt = time.perf_counter() - t0
-            if i >= 2:
-                times[on].append(dt)
-                if on:
-                    share.append((loop.mon.overhead_seconds() - before) / dt)
-    return {"plain": times[False], "checked": times[True], "share": share,
-            "params": sum(p.numel() for p in plain.model.parameters())}
+            dw, dc = time.perf_counter() - w0, time.process_time() - c0
+            if i < 2:
+                continue
+            tag = "checked" if on else "plain"
+            out[f"{tag}_wall"].append(dw)
+            out[f"{tag}_cpu"].append(dc)
+            if on:
+                out["sdc_wall"].append(loop.mon.overhead_seconds() - before[0])
+                out["sdc_cpu"].append(loop.mon.overhead_seconds(cpu=True) - before[1])
+                parts1 = {k: c.cpu for k, c in clocks.items()} | {"wrapper": sum(w.cpu for w in wrappers)}
+                for k in PARTS:
+                    out[f"part_{k}"].append(parts1[k] - parts0[k])
+    return {**out, "params": sum(p.numel() for p in plain.model.parameters())}
+
+
+def overhead_figures(ovh: list[dict]) -> dict:
+    """Per-step and per-pair overhead estimates from every rank's :func:`overhead` record.
+
+    * direct: SDC seconds / (checked step - SDC seconds), i.e. relative to the
+      step without the checks, per step; the larger of the ranks (the step is
+      collective: the slower rank sets its pace). CPU and wall.
+    * A/B: checked / plain step per alternating pair (CPU: summed over ranks;
+      wall: rank 0's clock, the ranks agree within noise).
+    Each as the median with a bootstrap 95% interval.
+    """
+    n = len(ovh[0]["sdc_cpu"])
+    res = {}
+    for clock in ("cpu", "wall"):
+        direct = [max(o[f"sdc_{clock}"][i] / max(o[f"checked_{clock}"][i] - o[f"sdc_{clock}"][i], 1e-9) for o in ovh)
+                  for i in range(n)]
+        if clock == "cpu":
+            pair = [sum(o["checked_cpu"][i] for o in ovh) / sum(o["plain_cpu"][i] for o in ovh) for i in range(n)]
+        else:
+            pair = [c / p for c, p in zip(ovh[0]["checked_wall"], ovh[0]["plain_wall"])]
+        res[f"direct_{clock}"] = (direct, statistics.median(direct), *bootstrap(direct))
+        res[f"ab_{clock}"] = (pair, statistics.median(pair), *bootstrap(pair))
+    return res
+
+
+def judge_overhead(est: dict, limit: float = 0.01) -> tuple[bool | None, str]:
+    """The < 1% goal, judged on the direct CPU measurement (robust to the machine's
+    load: waiting for a core is not counted), unless the A/B CPU comparison
+    contradicts it (its whole interval above the limit). Interval on the wrong
+    side of the limit → judged; straddling → not judged."""
+    _, med, lo, hi = est["direct_cpu"]
+    _, ab, ab_lo, ab_hi = est["ab_cpu"]
+    txt = (f"direct: {med * 100:+.2f}% of the unchecked step's CPU time (95% CI {lo * 100:+.2f}% … {hi * 100:+.2f}%); "
+           f"A/B CPU {(ab - 1) * 100:+.2f}% (95% CI {(ab_lo - 1) * 100:+.2f}% … {(ab_hi - 1) * 100:+.2f}%)")
+    if lo > limit:
+        return False, txt
+    if hi <= limit:
+        if ab_lo - 1 > limit:
+            return None, txt + ": the A/B interval lies above 1% although the direct one is below: not judged"
+        return True, txt
+    return None, txt + ": the direct interval straddles 1%, not judged"
 
 
 # ------------------------------------------------------------------ driver side
@@ -300,7 +396,7 @@ def coverage_note(rates: dict, counts: dict) -> str:
 def run(quick: bool) -> dict:
     from resilient.sdc.harness import GlooPool
 
-    per_cell, clean, window, pairs = (1, 50, 3, 6) if quick else (6, 1000, 4, 40)
+    per_cell, clean, window, pairs = (1, 50, 3, 6) if quick else (6, 1000, 4, 100)
     corpus = str(corpus_path())
     loads = [load_note()]
     trials = plan(per_cell)
@@ -331,20 +427,26 @@ def run(quick: bool) -> dict:
     figures["ttd"] = fig(ttd, "steps", "time to detection (detected flips)")
     for k in KINDS:
         figures[f"ttd_{k}"] = fig([r["ttd"] for r in det if r["kind"] == k], "steps", f"time to detection, {KIND_LABEL[k]}")
-    plain = ovh[0]["plain"]   # rank 0's clock; the steps are collective, so both ranks agree within noise
-    pair = [c / p for c, p in zip(ovh[0]["checked"], plain)]
-    med = statistics.median(pair)
-    lo, hi = bootstrap(pair)
-    share = statistics.median(ovh[0]["share"])
-    figures["step_plain"] = fig(plain, "s", "demo model step, SDC off")
-    figures["step_checked"] = fig(ovh[0]["checked"], "s", "demo model step, SDC on")
-    figures["share"] = fig(ovh[0]["share"], "x", "share of a checked step inside SDC code")
-    figures["pair_ratio"] = fig(pair, "x", "per-pair step time ratio on / off")
-    ratios["overhead"] = {"value": round(med, 4), "better": "lower", "ci95": [round(lo, 4), round(hi, 4)],
-                          "label": f"step time SDC on / off, demo model (median of {len(pair)} alternating pairs; "
-                                   f"95% CI {lo:.3f}–{hi:.3f})"}
-    ratios["share"] = {"value": round(share, 4), "better": "lower",
-                       "label": "share of a checked step spent in SDC code (median over steps)"}
+    est = overhead_figures(ovh)
+    for clock, what in (("cpu", "process CPU"), ("wall", "wall-clock")):
+        figures[f"step_plain_{clock}"] = fig(ovh[0][f"plain_{clock}"], "s", f"demo model step, SDC off ({what}, rank 0)")
+        figures[f"step_checked_{clock}"] = fig(ovh[0][f"checked_{clock}"], "s", f"demo model step, SDC on ({what}, rank 0)")
+        figures[f"sdc_{clock}"] = fig([x * 1e3 for x in ovh[0][f"sdc_{clock}"]], "ms",
+                                      f"time inside SDC code per checked step ({what}, rank 0)")
+        for kind, label, unit in (("direct", "direct: 1 + SDC code's own time / the rest of the checked step", "steps"),
+                                  ("ab", "A/B: checked / plain step", "alternating pairs")):
+            vals, med, lo, hi = est[f"{kind}_{clock}"]
+            shift = 1.0 if kind == "direct" else 0.0   # both as "step time with / without the checks"
+            figures[f"{kind}_{clock}"] = fig([v + shift for v in vals], "x", f"{label} ({what})")
+            ratios[f"{kind}_{clock}"] = {
+                "value": round(med + shift, 4), "better": "lower", "ci95": [round(lo + shift, 4), round(hi + shift, 4)],
+                "label": f"step time with SDC / without, demo model, {label}, {what} (median of {len(vals)} {unit}; "
+                         f"95% CI {lo + shift:.4f}–{hi + shift:.4f})"}
+    plain_cpu = statistics.median(ovh[0]["plain_cpu"])
+    for k, label in PARTS.items():
+        figures[f"part_{k}"] = fig([x * 1e3 for x in ovh[0][f"part_{k}"]], "ms", f"SDC CPU per checked step, {label} (rank 0)")
+    breakdown = ", ".join(f"{label} {statistics.median(ovh[0][f'part_{k}']) * 1e3:.2f} ms "
+                          f"({statistics.median(ovh[0][f'part_{k}']) / plain_cpu * 100:.2f}%)" for k, label in PARTS.items())
     critical = [r for r in results if r["cls"] in ("sign", "exp MSB", "exp 23-29", "mant 16-22")
                 and r["kind"] in ("grad", "param")]
     crit_rate = sum(r["outcome"] == "detected" for r in critical) / max(1, len(critical))
@@ -356,13 +458,11 @@ def run(quick: bool) -> dict:
     attributed = [r for r in det if r["attributed"]]
     goals.append(goal("sign/exponent/high-mantissa flips of gradients and parameters detected within one step",
                       len(within) == len(critical), f"{len(within)}/{len(critical)} in the same step"))
-    goals.append(goal(f"no false positives over ≥1000 clean steps", fp["suspicions"] == 0 if fp["steps"] >= 1000 else None,
+    goals.append(goal("no false positives over ≥1000 clean steps", fp["suspicions"] == 0 if fp["steps"] >= 1000 else None,
                       f"{fp['suspicions']} suspicions ({fp['harmless']} judged harmless, {fp['actions']} non-continue "
                       f"decisions) over {fp['steps']} steps" + ("" if fp["steps"] >= 1000 else ": fewer than 1000 steps (quick)")))
-    d = f"{(med - 1) * 100:+.2f}% (95% CI {(lo - 1) * 100:+.2f}% … {(hi - 1) * 100:+.2f}%)"
-    met = True if hi <= 1.01 else False if lo > 1.01 else None
-    goals.append(goal("SDC checks < 1% of the demo model's step time (issue 7)", met,
-                      d + ("" if met is not None else ": the interval straddles 1%, not judged")))
+    met, d = judge_overhead(est)
+    goals.append(goal("SDC checks < 1% of the demo model's step time (issue 7)", met, d))
     notes.append(coverage_note(rates, counts))
     missed = [r for r in results if r["outcome"] != "detected" and r["flip"]]
     rel = [abs(r["flip"]["new"] - r["flip"]["old"]) / abs(r["flip"]["old"]) for r in missed
@@ -371,15 +471,35 @@ def run(quick: bool) -> dict:
                  f"({len(attributed)} named the injected rank), {sum(r['outcome'] == 'harmless' for r in results)} "
                  f"judged harmless, {sum(r['outcome'] == 'missed' for r in results)} missed. Missed/harmless flips "
                  f"changed their element by a median {statistics.median(rel) if rel else 0:.2g} of its value.")
-    notes.append("Where coverage is thin, and why: a flip in an activation or in Adam's state corrupts what goes "
-                 "INTO the gradient reduction and the parameter update consistently, so the linear check and the "
-                 "at-rest hash agree with it; only non-finite values, loss or gradient spikes, or the next step's "
-                 "consequences reveal it. Gradient and parameter flips are checked exactly (linear invariant, "
-                 "bit-sums).")
+    notes.append("What each check sees: reduced gradients are hashed (float64 sum, int32 bit-sum) as the "
+                 "reduce-scatter leaves them, so any later change is caught exactly, and the collective itself by the "
+                 "linear check (within its rounding bound); parameters and Adam state (moments and step counters) are "
+                 "hashed after the optimizer step and verified after the next backward, before the step that reads "
+                 "them (every single-bit flip; bits 0-1 judged harmless). Where coverage is thin, and why: a flip in an "
+                 "activation corrupts that rank's loss and local gradients *consistently*; they enter the reduction as "
+                 "if they were right, every replica-free check agrees with them, and dp ranks see different data, so "
+                 "no second copy exists to compare with. Only its consequences can show: non-finite values (exponent-"
+                 "MSB flips), or a loss / pre-reduction gradient-L1 jump beyond the robust threshold (an exponent flip "
+                 "that RMSNorm does not normalise away). A sign or mantissa flip of one of ~10^6 activations moves the "
+                 "loss by about as much as a different batch would; catching it needs redundancy (recomputing the step, "
+                 "i.e. replay on every step, or checksummed matmuls, ABFT) at the cost of up to a second forward and "
+                 "backward. Where activations are replicated (tensor parallel without sequence parallelism) a flip on "
+                 "one tp rank does show: the tp-replicated norm gradients then differ bitwise.")
     notes.append(f"False positives: {fp['steps']} clean steps of the tiny job at {fp['seconds_per_step'] * 1e3:.0f} "
                  f"ms/step, every check on every step; suspicion kinds: {fp['kinds'] or 'none'}.")
     notes.append(f"Overhead: demo model ({ovh[0]['params'] / 1e6:.2f}M parameters, dp=2 FSDP2, gloo, 1 thread per "
-                 f"rank), {len(pair)} pairs, order swapped every pair, 2 warm-up pairs dropped.")
+                 f"rank), every check on (linear reduction check, reduced gradients at rest, parameters and Adam state "
+                 f"at rest, non-finite and spikes); {len(est['ab_cpu'][0])} pairs, order swapped every pair, 2 warm-up "
+                 f"pairs dropped. Direct: the monitor's own clocks (wall and process CPU, all threads) around its hooks "
+                 f"and the reduce-scatter wrappers' sums, per checked step, over the rest of that step, the larger of "
+                 f"the 2 ranks. Judged on process CPU: on this shared 2-core machine wall time also counts waiting for "
+                 f"a core. The direct figure includes the monitor's one all_gather per step (its CPU and, in wall "
+                 f"time, the wait for the slower rank, which the next collective would otherwise pay).")
+    notes.append(f"Where the SDC CPU time goes (rank 0, median per checked step; % of the plain step's "
+                 f"{plain_cpu * 1e3:.0f} ms CPU): {breakdown}; the rest of the hooks (Python glue, suspicion "
+                 f"bookkeeping) makes up the difference to the direct total. On CPU a float64 sum costs ~8x an "
+                 f"fp32 one (the conversion), and each small tensor's bit-sum costs a kernel dispatch: the linear check "
+                 f"(every gradient element read as float64 twice: in and out) and the ~200 at-rest tensors dominate.")
     notes.append(walls + ".")
     notes.append("Loads before/after: " + "; ".join(loads) + ". Heat-map: "
                  + ("sdc-heatmap.png" if quick else "results/sdc-heatmap.png") + ".")

@@ -317,11 +317,19 @@ def spares_idle(job: Job, want: int, window: float = 0.5) -> bool:
                 procs.append((p, sum(p.cpu_times()[:2])))
         except psutil.Error:
             continue
-    if len(procs) < want:
+    # A warm zygote (the agent's default with spares) forks any number of workers in ~30 ms:
+    # one idle zygote stands for every spare.
+    zygote = False
+    for p, _ in procs:
+        try:
+            zygote = zygote or "--zygote" in p.cmdline()
+        except psutil.Error:
+            continue
+    if len(procs) < (1 if zygote else want):
         return False
     time.sleep(window)
     try:
-        return sum(sum(p.cpu_times()[:2]) == c for p, c in procs) >= want
+        return sum(sum(p.cpu_times()[:2]) == c for p, c in procs) >= (1 if zygote else want)
     except psutil.Error:
         return False
 

@@ -149,7 +149,8 @@ def store_settings(cfg: Config):
     if snap.every <= 0 or not snap.memory:
         return None
     return StoreSettings(base=snap.store_dir, replicas=snap.replicas, keep=snap.store_keep,
-                         rate_bytes_s=snap.replicate_mib_s * (1 << 20), host=snap.store_host)
+                         rate_bytes_s=snap.replicate_mib_s * (1 << 20), host=snap.store_host,
+                         duty=snap.replicate_duty, max_stride=snap.replicate_max_stride)
 
 
 def _raise_on_signal(signum, frame):

@@ -140,6 +140,7 @@ class Trainer:
         if not self.cfg.sdc.enable:
             return None
         monitor = SdcMonitor(self.cfg.sdc, events=self.events, device=self.device)
+        monitor.watch_optimizer(self.optimizer)   # Adam state at rest: hashed after a step, verified before the next
         if self.layout.dp > 1:
             # Linear checks of FSDP2's reduce-scatters. A pipeline schedule reduces
             # once per stage after the last micro-batch, then divides the reduced
@@ -150,6 +151,9 @@ class Trainer:
             norms = [(n, p) for n, p in self.model.named_parameters() if n.endswith("norm.weight")]
             monitor.watch_replicas("tp-norms", lambda: [(n, p.grad) for n, p in norms],
                                    self.layout.mesh["tp"].get_group())
+            # ... and so must the norm weights after the optimizer step: this is where a flip in
+            # their (replicated) Adam state, or in its update on one tp rank, shows
+            monitor.watch_replicas("tp-norm-params", lambda: norms, self.layout.mesh["tp"].get_group(), what="param")
         return monitor
 
     # -- one step -----------------------------------------------------------

@@ -85,6 +85,7 @@ def train(rank, world, seed=0, shape=(16, 32, 8), steps=5, flips=(), mp=None, mo
     mon = SdcMonitor(SdcConfig(**(cfg_kw or {})), events=EventLog(events, rank=rank) if events else None, prober=prober)
     if monitor:
         mon.watch_fsdp(net)
+        mon.watch_optimizer(opt)
         mon.watch_replicas("scale.grad", lambda: [("scale", net.scale.grad)], dist.group.WORLD, what="grad")
         mon.watch_replicas("scale", lambda: [("scale", net.scale)], dist.group.WORLD, what="param")
     specs = [FlipSpec.from_dict({**f, "element": f.get("element") if f.get("element") is not None else 0}) for f in flips]
@@ -109,7 +110,8 @@ def train(rank, world, seed=0, shape=(16, 32, 8), steps=5, flips=(), mp=None, mo
                 continue
             if median and inj.rank == inj.spec.rank and target != "activation":
                 p = dict(net.named_parameters())[inj.spec.tensor]
-                inj.spec.element = _median_element(p.grad if target == "grad" else p)
+                where = {"grad": lambda: p.grad, "param": lambda: p, "optim_state": lambda: opt.state[p][inj.spec.state_key]}
+                inj.spec.element = _median_element(where[target]())
             inj.maybe_inject(step, net, opt)
 
     def record(step, phase, d):
@@ -142,6 +144,7 @@ def train(rank, world, seed=0, shape=(16, 32, 8), steps=5, flips=(), mp=None, mo
             stopped = step
             break
         inject(step, "param")
+        inject(step, "optim_state")
         if step == 1 and bad_probe_rank is not None:
             mon.prober.run_once("periodic")   # what the background thread does every probe_every seconds
     params = {n: (p._local_tensor if hasattr(p, "_local_tensor") else p).detach().clone() for n, p in net.named_parameters()}
@@ -163,7 +166,9 @@ def test_clean_run_raises_nothing_and_matches_unchecked(pool):
 
 
 @pytest.mark.parametrize("tensor,bit", [("fc1.weight", 31), ("fc1.weight", 30), ("fc1.weight", 23), ("fc1.weight", 22),
-                                        ("fc2.bias", 31), ("fc2.bias", 22)])   # sign, exponent (top, lowest), top mantissa
+                                        ("fc1.weight", 16), ("fc2.bias", 31), ("fc2.bias", 22)])
+# sign, exponent (top, lowest), mantissa (top, the lowest of the "high" class):
+# the reduced gradient is hashed as the collective wrote it, so a flip after it is seen exactly
 def test_grad_flip_detected_attributed_and_healed_by_replay(pool, clean4, bit, tensor):
     flip = {"target": "grad", "tensor": tensor, "bit": bit, "rank": 1, "step": 2, "element": None}
     res = pool.run(train, 0, (16, 32, 8), 4, (flip,))
@@ -204,6 +209,18 @@ def test_param_flip_at_rest_detected_next_step(pool, bit):
         assert log[0]["step"] == 2 and log[0]["action"] == "rollback", log   # within one step
         assert (0, "param_at_rest", False) in log[0]["suspects"]
         assert log[0]["verdicts"] == {0: "transient"} and log[0]["rollback_to"] == 0
+
+
+@pytest.mark.parametrize("key,bit", [("exp_avg", 31), ("exp_avg_sq", 27), ("exp_avg", 12), ("step", 23)])
+def test_optimizer_state_flip_at_rest_is_caught_before_the_step_that_reads_it(pool, key, bit):
+    flip = {"target": "optim_state", "tensor": "fc1.weight", "bit": bit, "rank": 1, "step": 1, "element": None,
+            "state_key": key}
+    res = pool.run(train, 0, (16, 32, 8), 3, (flip,))
+    for r in range(2):
+        log = res[r]["log"]
+        assert log[0]["step"] == 2 and log[0]["action"] == "rollback", log   # after backward, before the optimizer
+        assert (1, "optim_state_at_rest", False) in log[0]["suspects"]
+        assert log[0]["verdicts"] == {1: "transient"} and log[0]["rollback_to"] == 0
 
 
 @pytest.mark.parametrize("bit", [31, 22])

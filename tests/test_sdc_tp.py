@@ -77,3 +77,53 @@ def test_tp_replicated_norm_grad_flip_is_caught_and_attributed(pool, bit):
     for log in pool.run(tp_run, 0, 4, flip):
         assert log[0][:3] == (2, "after_backward", [(0, "replica_mismatch", False), (1, "replica_mismatch", False)])
         assert log[1][3] == {0: "false_alarm", 1: "transient"}, log
+
+
+def tp_adam_run(rank, world, steps, flip, watch_state):
+    """The tp-replicated norm under AdamW: its Adam state is replicated too. A flip
+    in one rank's copy is caught at rest (``watch_optimizer``) before the step
+    that reads it; without that, by the replicated parameters after the step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from resilient.sdc.inject import BitFlipInjector, FlipSpec
+    from resilient.sdc.monitor import SdcMonitor
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    net = torch.nn.ModuleDict({"norm": torch.nn.RMSNorm(16), "up": torch.nn.Linear(16, 32), "down": torch.nn.Linear(32, 16)})
+    parallelize_module(net, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    mon = SdcMonitor()
+    mon.watch_replicas("norm", lambda: [("norm.weight", net["norm"].weight)], mesh.get_group("tp"), what="param")
+    if watch_state:
+        mon.watch_optimizer(opt)
+    inj = BitFlipInjector(FlipSpec.from_dict(flip), rank)
+    log = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        net["down"](torch.relu(net["up"](net["norm"](torch.randn(8, 16, generator=g))))).square().mean().backward()
+        d = mon.after_backward(step, net, None)
+        if d.suspicions:
+            log.append((step, "after_backward", d.action.value, sorted({(s.rank, s.kind) for s in d.suspicions})))
+            break
+        opt.step()
+        opt.zero_grad()
+        d = mon.after_optimizer_step(step, net)
+        if d.suspicions:
+            log.append((step, "after_optimizer_step", d.action.value, sorted({(s.rank, s.kind) for s in d.suspicions})))
+            break
+        inj.maybe_inject(step, net, opt)
+    return log
+
+
+@pytest.mark.parametrize("watch_state", [True, False])
+def test_tp_replicated_adam_state_flip_is_caught(pool, watch_state):
+    flip = {"target": "optim_state", "tensor": "norm.weight", "bit": 28, "rank": 1, "step": 1, "element": 3,
+            "state_key": "exp_avg"}
+    for log in pool.run(tp_adam_run, 4, flip, watch_state):
+        if watch_state:   # at rest: before the optimizer step that would read it, on its own rank
+            assert log == [(2, "after_backward", "rollback", [(1, "optim_state_at_rest")])], log
+        else:             # replicated: the norm weights differ after that step (two replicas: both suspect)
+            assert log == [(2, "after_optimizer_step", "rollback",
+                            [(0, "replica_mismatch"), (1, "replica_mismatch")])], log

@@ -275,3 +275,33 @@ def test_grad_spike_floor_spares_natural_jumps_and_catches_exponent_flips():
         assert not det.check(math.log(100.0 * (1 + 0.01 * (i % 3))))[0]
     assert not det.check(math.log(300.0))[0]            # a hard batch: 3x
     assert det.check(math.log(100.0 * 2.0 ** 64))[0]    # a flipped exponent bit
+
+
+def test_bitsums_plan_matches_per_tensor_bitsums_with_scalars_and_mixed_dtypes():
+    from resilient.sdc.atrest import BitSums
+
+    torch.manual_seed(0)
+    ts = [torch.randn(7), torch.tensor(3.0), torch.randn(3, 4).bfloat16(), torch.tensor(7.0),
+          torch.tensor(2.5, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)]
+    plan = BitSums(ts)
+    assert plan().tolist() == [int(bitsum(t)) for t in ts]
+    ts[3].add_(1)                                    # updated in place: the plan still applies
+    assert plan.same(ts) and plan().tolist() == [int(bitsum(t)) for t in ts]
+    assert not plan.same(ts[:-1] + [torch.randn(2, 2, dtype=torch.float64)])
+
+
+def test_at_rest_record_catches_every_flip_once_and_names_the_tensor():
+    from resilient.sdc.atrest import AtRest
+
+    torch.manual_seed(1)
+    named = [("w", torch.randn(64)), ("step", torch.tensor(4.0)), ("m", torch.randn(8, 8))]
+    rest = AtRest("optim_state_at_rest")
+    rest.record(3, named)
+    flip_bit(named[1][1], 0, 23)                     # Adam's step counter: an exponent bit
+    flip_bit(named[2][1], 5, 0)                      # the lowest mantissa bit: harmless
+    sus = rest.verify(4, [t for _, t in named], rank=1, device="d")
+    assert [(s.tensor, s.harmless, s.rank) for s in sus] == [("step", False, 1), ("m", True, 1)]
+    assert sus[0].evidence["hashed_after_step"] == 3 and abs(sus[0].evidence["bitsum_delta"]) == 1 << 23
+    assert rest.verify(5, [t for _, t in named], rank=1, device="d") == []   # single use
+    rest.record(5, named)
+    assert rest.verify(6, [t for _, t in named][:2], rank=1, device="d")[0].tensor == "*"   # the set changed

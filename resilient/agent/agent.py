@@ -10,8 +10,13 @@ life cycle::
 
 This class supplies the four hooks it leaves abstract and adds:
 
-- ``_start_workers`` hands each local rank a *warm* process (torch already
-  imported) from :class:`~.pool.WarmPool`, so a restart costs a pipe write;
+- ``_start_workers`` hands each local rank a *warm* process: a fork of the
+  pool's zygote (torch and the trainer already imported, see
+  :class:`~.pool.WarmPool`), so a restart costs a fork, not an import; the
+  agent joins its first rendezvous only once that zygote is ready;
+- ``_rendezvous`` joins the next round when the one just completed lost a
+  member before the workers started (:class:`RendezvousRoundLost`), instead
+  of waiting out the store timeout;
 - ``_monitor_workers`` reports FAILED on a non-zero exit, UNHEALTHY on a
   missed heartbeat, and restarts at once (not counted against
   ``max_restarts``) when another node of the round lost its liveness key;
@@ -38,7 +43,9 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerSpec,
     WorkerState,
 )
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
 
 from resilient.agent.api import AgentSettings, FailureKind
 from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
@@ -46,10 +53,15 @@ from resilient.agent.membership import NodeRegistry
 from resilient.agent.pool import WarmPool, WorkerProcess
 from resilient.agent.quarantine import QUARANTINE_EXIT, Quarantine
 from resilient.events import EventLog
+from resilient.rendezvous.api import RendezvousRoundLost
 
 log = logging.getLogger(__name__)
 
 MAX_STARTUP_FAILURES = 3
+# Rounds lost in a row (a member died between completing the round and starting
+# its workers) before the agent gives up: each attempt is a real re-join, bounded
+# by the join timeout, so this only stops a loop that would never settle.
+MAX_LOST_ROUNDS = 20
 
 
 class ResilientAgent(SimpleElasticAgent):
@@ -69,6 +81,7 @@ class ResilientAgent(SimpleElasticAgent):
         self._startup_failures = 0
         self._refill_pending = False
         self.quarantined = False
+        self.stop_reason: str | None = None   # why run() ended, for the agent_stop event
         self.store = None
         if settings.store is not None and settings.etcd_factory is not None:
             from resilient.agent.store import NodeStoreService
@@ -79,9 +92,59 @@ class ResilientAgent(SimpleElasticAgent):
             if registry is not None:
                 registry.update(store=self.store.server.address)
 
+    # -- the loop ---------------------------------------------------------------
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        # Join only once this node can start its workers at once: a node that joins
+        # while still importing torch (10-30 s on a busy host) makes every member of
+        # the round wait for it; the running job instead trains on until it is ready,
+        # then admits it (one ~2 s restart). Without spares the cold processes at
+        # least import while the rendezvous runs.
+        try:
+            self.pool.fill(self.settings.nproc_per_node)
+            if not self.pool.wait_ready(self.settings.startup_timeout):
+                log.warning("the warm worker template is not ready after %s; joining anyway",
+                            self.settings.startup_timeout)
+            result = super()._invoke_run(role)
+        except SignalException as e:
+            self.stop_reason = signal.Signals(e.sigval).name
+            raise
+        except RendezvousGracefulExitError:
+            self.stop_reason = "rendezvous_closed"
+            raise
+        except RendezvousError as e:
+            self.stop_reason = f"rendezvous_failed: {type(e).__name__}: {e}"
+            raise
+        except Exception as e:  # torch's run() shuts down and re-raises
+            self.stop_reason = f"error: {type(e).__name__}: {e}"
+            raise
+        if self.quarantined:
+            self.stop_reason = "quarantined"
+        elif result.state == WorkerState.SUCCEEDED:
+            self.stop_reason = "finished"
+        else:
+            self.stop_reason = f"workers_{result.state.name.lower()}"
+        return result
+
     # -- rendezvous -----------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         t0 = time.monotonic()
+        for attempt in range(1, MAX_LOST_ROUNDS + 1):
+            try:
+                self._join_round(worker_group)
+                break
+            except RendezvousRoundLost as e:
+                # A member of the round just completed died before its workers could
+                # start: join the next round now instead of waiting out the store timeout.
+                log.warning("rendezvous round lost (attempt %d): %s", attempt, e)
+                self.events.emit("failure", kind=FailureKind.ROUND_LOST.value, attempt=attempt, reason=str(e))
+                if attempt == MAX_LOST_ROUNDS:
+                    raise
+        self._round += 1
+        self.events.emit("rendezvous", round=self._round, group_rank=worker_group.group_rank,
+                         nodes=sorted(self.round_nodes), world=worker_group.workers[0].world_size,
+                         seconds=time.monotonic() - t0)
+
+    def _join_round(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         store, me = worker_group.store, worker_group.group_rank
         # Publish who we are in this round's store, learn who the others are.
@@ -89,10 +152,6 @@ class ResilientAgent(SimpleElasticAgent):
         self.round_nodes = {
             store.get(f"resilient/node/{r}").decode() for r in range(worker_group.group_world_size)
         }
-        self._round += 1
-        self.events.emit("rendezvous", round=self._round, group_rank=me,
-                         nodes=sorted(self.round_nodes), world=worker_group.workers[0].world_size,
-                         seconds=time.monotonic() - t0)
 
     # -- workers ----------------------------------------------------------------
     def _worker_env(self, wg: WorkerGroup, worker) -> dict[str, str]:
@@ -248,7 +307,13 @@ class ResilientAgent(SimpleElasticAgent):
         if self.registry is not None:
             self.registry.leave()
         shutil.rmtree(self._tmp, ignore_errors=True)
-        reason = "preempted" if preempted else (signal.Signals(death_sig).name if running else "finished")
+        if preempted:
+            reason = "preempted"
+        elif running:
+            reason = signal.Signals(death_sig).name
+        else:
+            # run() ends here on success and on every error: say which, not "finished" for all.
+            reason = self.stop_reason or "error: the agent loop ended without a result"
         self.events.emit("agent_stop", reason=reason)
 
     def _leave_rendezvous(self) -> None:

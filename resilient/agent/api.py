@@ -20,11 +20,14 @@ class FailureKind(str, enum.Enum):
     EXIT       a worker exited non-zero (exception, kill -9, OOM kill)
     HANG       a worker sent no heartbeat within the timeout (SIGSTOP, deadlock)
     NODE_LOST  another node of the round lost its liveness lease
+    ROUND_LOST a member of a just-completed rendezvous round died before the
+               workers started; the agent joins the next round
     """
 
     EXIT = "exit"
     HANG = "hang"
     NODE_LOST = "node_lost"
+    ROUND_LOST = "round_lost"
 
 
 @dataclass

@@ -36,6 +36,8 @@ class StoreSettings:
     keep: int = 2
     rate_bytes_s: float = 0.0
     host: str = "0.0.0.0"
+    duty: float = 0.1
+    max_stride: int = 1
 
 
 class NodeStoreService:
@@ -56,7 +58,8 @@ class NodeStoreService:
         self.server = PeerServer(self.store, secret, settings.host)
         self.replicator = Replicator(
             self.store, self.client, run_id, node, secret, self.live_nodes,
-            ReplicatorOptions(k=settings.replicas, keep=settings.keep, rate=settings.rate_bytes_s), events)
+            ReplicatorOptions(k=settings.replicas, keep=settings.keep, rate=settings.rate_bytes_s,
+                              duty=settings.duty, max_stride=settings.max_stride), events)
         self.info = StoreInfo(base=str(settings.base), run_id=run_id, node=node, etcd=endpoint,
                               secret_file=str(self.secret_file), etcd_conf=dict(etcd_conf or {}))
 

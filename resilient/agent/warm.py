@@ -1,10 +1,19 @@
-"""A warm worker process: ``python -m resilient.agent.warm``.
+"""Warm worker processes: ``python -m resilient.agent.warm [--zygote FD]``.
 
-Imports torch and everything a worker needs (≈ 3-4 s, the bulk of a cold
-start), then blocks on stdin for one assignment: a JSON line with the
-environment (rank, world size, master address, ...) and the worker's
-arguments. It then becomes that worker. The agent keeps such processes ready
-so that replacing a failed worker costs a pipe write, not an import.
+Imports torch and everything a worker needs (≈ 3-4 s on an idle core, 10-30 s
+on the soak's shared 2 cores: the bulk of a cold start), then waits on stdin
+for an assignment: a JSON line with the environment (rank, world size, master
+address, ...) and the worker's arguments.
+
+- Plain: the process becomes that one worker (a cold start, when the agent
+  keeps no spares).
+- ``--zygote FD``: the process stays a template. Each assignment is a
+  ``fork()`` (~30 ms: the imports are shared, copy-on-write) whose child
+  becomes the worker; the zygote reports ``started TOKEN PID`` and, when it
+  reaps a child, ``exit PID CODE`` on the pipe FD. Measured in the soak: spare
+  processes re-spawned after each fault were still importing when the next
+  fault took them (faults every ~15 s, imports 10-30 s), so "warm" restarts
+  cost 8-30 s; a zygote is warm again the moment it forked.
 """
 
 from __future__ import annotations
@@ -42,9 +51,69 @@ def _preload() -> None:
     import resilient.worker  # noqa: F401
 
 
+def _zygote(status_fd: int) -> int:
+    """Fork one worker per assignment line until stdin closes (see the module docstring)."""
+    import select
+    import traceback
+
+    status = os.fdopen(status_fd, "w", buffering=1)
+    status.write("ready\n")
+    buf = b""
+    while True:
+        # Reap between reads: no thread and no signal handler in a process that forks.
+        while True:
+            try:
+                pid, wstatus = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            status.write(f"exit {pid} {os.waitstatus_to_exitcode(wstatus)}\n")
+        readable, _, _ = select.select([0], [], [], 0.05)
+        if not readable:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return 0  # the agent closed the pipe: its workers die with us (PDEATHSIG)
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            assignment = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.setpgid(0, 0)  # its own group: the agent's killpg reaches it, not us
+                    status.close()
+                    devnull = os.open(os.devnull, os.O_RDONLY)
+                    os.dup2(devnull, 0)
+                    os.close(devnull)
+                    os.environ["RESILIENT_PARENT_PID"] = str(os.getppid())
+                    die_with_parent()  # the zygote is the parent now; it dies with the agent
+                    os.environ.update(assignment["env"])
+                    from resilient.worker import main as worker_main
+
+                    code = worker_main(assignment["argv"])
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else 1
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code if isinstance(code, int) else 1)
+            try:
+                os.setpgid(pid, pid)  # also here: the agent may signal before the child ran
+            except OSError:
+                pass
+            status.write(f"started {assignment['token']} {pid}\n")
+
+
 def main() -> int:
     die_with_parent()
     _preload()
+    if len(sys.argv) == 3 and sys.argv[1] == "--zygote":
+        return _zygote(int(sys.argv[2]))
     line = sys.stdin.readline()
     if not line:
         return 0  # the agent closed the pipe: not needed

@@ -12,10 +12,12 @@ import torch.distributed.elastic.rendezvous  # noqa: F401  (first, see above)
 from resilient.rendezvous.api import (
     RendezvousConfigError,
     RendezvousError,
+    RendezvousRoundLost,
     RendezvousStateCorrupt,
     RendezvousUnavailable,
 )
 from resilient.rendezvous.etcd3_backend import Etcd3RendezvousBackend, Etcd3Store
+from resilient.rendezvous.handler import ResilientRendezvousHandler
 from resilient.rendezvous.registry import (
     BACKEND_NAME,
     client_from_params,
@@ -30,6 +32,8 @@ __all__ = [
     "Etcd3Store",
     "RendezvousConfigError",
     "RendezvousError",
+    "RendezvousRoundLost",
+    "ResilientRendezvousHandler",
     "RendezvousStateCorrupt",
     "RendezvousUnavailable",
     "client_from_params",

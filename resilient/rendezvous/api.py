@@ -21,6 +21,7 @@ __all__ = [
     "RendezvousUnavailable",
     "RendezvousStateCorrupt",
     "RendezvousConfigError",
+    "RendezvousRoundLost",
 ]
 
 
@@ -45,3 +46,10 @@ class RendezvousStateCorrupt(RendezvousError, _TorchStateError):
 
 class RendezvousConfigError(RendezvousError, ConfigError):
     """A ``--rdzv-conf`` / ``--rdzv-endpoint`` value is malformed."""
+
+
+class RendezvousRoundLost(RendezvousError):
+    """The completed round this node waits on can no longer start: a member
+    stopped sending keep-alives (its node died or was cut off) or a new round
+    began. Raised from a store wait instead of waiting out the store timeout;
+    the agent answers it by joining the next round."""

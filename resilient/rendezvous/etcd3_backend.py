@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from resilient.etcd.api import EtcdError, EtcdLeaseExpired, EtcdUnavailable
 from resilient.etcd.client import EtcdClient, LivenessLease
-from resilient.rendezvous.api import RendezvousError, RendezvousUnavailable
+from resilient.rendezvous.api import RendezvousError, RendezvousRoundLost, RendezvousUnavailable
 
 __all__ = ["Etcd3RendezvousBackend", "Etcd3Store", "DEFAULT_KEY_PREFIX"]
 
@@ -120,7 +120,15 @@ class Etcd3Store(dist.Store):
     address and port, rank assignment, exit barriers), never by training
     traffic. Blocking calls poll with a short backoff (capped at 50 ms) and
     read all awaited keys in one request.
+
+    ``guard``, when set (the etcd3 handler sets it to its ``round_lost``), is
+    asked every ``guard_interval`` while a wait is unmet: keys a dead member
+    was to write never come, so a reason from it ends the wait at once with
+    :class:`RendezvousRoundLost` instead of after the whole store timeout.
     """
+
+    guard: Callable[[], str | None] | None = None
+    guard_interval: timedelta = timedelta(seconds=0.5)
 
     def __init__(
         self,
@@ -204,12 +212,20 @@ class Etcd3Store(dist.Store):
         deadline = time.monotonic() + timeout.total_seconds()
         full = [self._k(k) for k in keys]
         delay = 0.005
+        next_guard = time.monotonic() + self.guard_interval.total_seconds()
         while True:
             kvs = _translate("store wait", lambda: self.client.get_many(full))
             if all(kv is not None for kv in kvs):
                 return [kv.value for kv in kvs]  # type: ignore[union-attr]
+            missing = [k for k, kv in zip(keys, kvs) if kv is None]
+            if self.guard is not None and time.monotonic() >= next_guard:
+                next_guard = time.monotonic() + self.guard_interval.total_seconds()
+                reason = self.guard()
+                if reason:
+                    raise RendezvousRoundLost(
+                        f"etcd store {self.prefix}: stopped waiting for keys {missing}: {reason}; "
+                        f"joining the next round")
             if time.monotonic() >= deadline:
-                missing = [k for k, kv in zip(keys, kvs) if kv is None]
                 raise dist.DistStoreError(
                     f"etcd store {self.prefix}: keys {missing} were not set within "
                     f"{timeout.total_seconds():.1f} s; a peer agent is missing or slow"

@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -57,13 +58,13 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
     RendezvousTimeout,
 )
 
 from resilient.etcd.api import EtcdError, EtcdUnavailable
 from resilient.etcd.client import EtcdClient, LivenessLease, parse_endpoints
 from resilient.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousUnavailable
+from resilient.rendezvous.handler import ResilientRendezvousHandler
 from resilient.rendezvous.etcd3_backend import (
     DEFAULT_KEY_PREFIX,
     Etcd3RendezvousBackend,
@@ -170,7 +171,7 @@ def create_backend(params: RendezvousParameters) -> tuple[Etcd3RendezvousBackend
     return backend, store
 
 
-def _create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+def _create_handler(params: RendezvousParameters) -> ResilientRendezvousHandler:
     if not params.get_as_bool("share_tcp_store", False):
         if os.environ.get(SHARE_STORE_ENV) == "0":
             log.warning("%s=0 was set explicitly; the etcd3 rendezvous overrides it to 1 "
@@ -185,7 +186,7 @@ def _create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     )
     keep_alive = _seconds(params, "keep_alive_interval", 5.0)
     attempts = params.get_as_int("keep_alive_max_attempt", 3)
-    return DynamicRendezvousHandler.from_backend(
+    handler = ResilientRendezvousHandler.from_backend(
         params.run_id,
         store,
         backend,
@@ -196,6 +197,12 @@ def _create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         keep_alive_interval=keep_alive.total_seconds(),  # type: ignore[arg-type,union-attr]
         keep_alive_max_attempt=attempts if attempts is not None else 3,
     )
+    # Store waits on a round's members end as soon as the round is lost (see handler.py).
+    # A weak reference: the store must not keep a dropped handler (and its keep-alive
+    # timer, which torch ties to the handler's lifetime) alive.
+    ref = weakref.WeakMethod(handler.round_lost)
+    store.guard = lambda: (lambda m: m() if m is not None else None)(ref())
+    return handler
 
 
 def create_etcd3_handler(params: RendezvousParameters | None = None) -> Any:

@@ -4,6 +4,7 @@ Modules, by role:
 
 * ``api``        - errors, :class:`Verdict`, :class:`Suspicion`, :class:`Decision`, ``[sdc]`` config
 * ``checksums``  - per-tensor (sum, L1, amax, bit-sum) rows; replica comparison; robust spikes
+* ``atrest``     - bit-sum records of parameters and optimizer state between optimizer steps
 * ``reduction``  - the linear check of FSDP2 reduce-scatters and of DDP-style all-reduces
 * ``replay``     - fingerprints and the replay state machine
 * ``probes``     - known-answer arithmetic tests (:class:`~resilient.sdc.probes.Prober`)
@@ -12,12 +13,15 @@ Modules, by role:
 * ``harness``    - a pool of gloo workers for tests, benches and chaos experiments
 
 Coverage in one line each (details in the module docstrings):
-reduced FSDP2 gradient shards (linear check, one step); replicated gradients and
-parameters (bitwise, one step); parameters at rest between optimizer steps
-(bit-sum, next step); non-finite values (at their source rank); exponent-size
-corruption *before* a reduction (per-rank L1 spike, after warm-up); wrong
-arithmetic on a device (probes). Not covered: a wrong but finite, ordinary-size
-gradient computed by backward before the reduction, and a wrong optimizer
+reduced FSDP2 gradient shards (linear check of the collective, one step; any
+change after the collective, exactly, by the bit-sum of its output); replicated
+gradients and parameters (bitwise, one step); parameters and optimizer state at
+rest between optimizer steps (bit-sums, caught before the next optimizer step);
+non-finite values (at their source rank); exponent-size corruption *before* a
+reduction (per-rank L1 spike, after warm-up); wrong arithmetic on a device
+(probes). Not covered: a wrong but finite, ordinary-size gradient or activation
+computed by forward/backward before the reduction (it enters the reduction as
+if it were right, and no replica holds the same batch), and a wrong optimizer
 update of a sharded (non-replicated) parameter.
 """
 

@@ -12,6 +12,7 @@ what a check *suspects* (:class:`Suspicion`), what a replay *concludes*
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,8 @@ class Action(enum.Enum):
 KIND_REDUCTION = "reduction_mismatch"   # linear check: sum in != sum out of a reduction
 KIND_REPLICA = "replica_mismatch"       # replicas that must be bitwise equal are not
 KIND_AT_REST = "param_at_rest"          # a parameter changed between optimizer step and use
+KIND_STATE_AT_REST = "optim_state_at_rest"   # optimizer state (Adam moments, step) changed between two steps
+KIND_GRAD_AT_REST = "grad_at_rest"      # a reduced gradient changed between its reduction and the check
 KIND_NONFINITE = "nonfinite"            # NaN/inf in loss or gradients
 KIND_LOSS_SPIKE = "loss_spike"          # loss beyond median + k·MAD of its window
 KIND_GRAD_SPIKE = "grad_spike"          # a rank's pre-reduction gradient L1 beyond its window
@@ -125,6 +128,29 @@ class Suspicion:
 
 
 @dataclass
+class Spent:
+    """Time spent in SDC code: wall-clock and process-CPU seconds.
+
+    Both, because on a shared machine wall time also counts the waits for a
+    core that other processes hold; CPU time (all threads of the process, so a
+    collective's helper threads count too) is what the checks themselves cost.
+    """
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    @staticmethod
+    def now() -> tuple[float, float]:
+        return time.perf_counter(), time.process_time()
+
+    def since(self, start: tuple[float, float]) -> None:
+        """Add the time from ``start`` (a :meth:`now`) to now."""
+        w, c = Spent.now()
+        self.wall += w - start[0]
+        self.cpu += c - start[1]
+
+
+@dataclass
 class Decision:
     """The agreed outcome of one hook: identical on every rank of the world."""
 
@@ -147,6 +173,7 @@ class SdcConfig:
     enable: bool = knob(True, "run the SDC checks at all; off = zero overhead and no detection")
     check_every: int = knob(1, "run the gradient checks (linear reduction check, replicas, non-finite, spikes) every N steps")
     param_check_every: int = knob(1, "verify parameters at rest (hash after the step, checked before the next forward) and across replicas every N steps; 0 disables")
+    state_check_every: int = knob(1, "verify the watched optimizer's state at rest (hash after the step, checked before the next one) every N steps; a flip between two unchecked steps goes unseen; 0 disables")
     loss_spike_k: float = knob(12.0, "a loss above median + k·MAD·1.4826 of the recent window is a suspicion (robust z-score); 0 disables")
     grad_spike_k: float = knob(50.0, "a rank's pre-reduction gradient L1 (log scale) beyond median + k·MAD of its window is a suspicion; 0 disables")
     spike_window: int = knob(50, "steps of history the loss / gradient spike detectors keep")

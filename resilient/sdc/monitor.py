@@ -6,6 +6,7 @@ so call them on every rank, every step)::
 
     mon = SdcMonitor(cfg.sdc, events=log)
     mon.watch_fsdp(model)                                  # after fully_shard
+    mon.watch_optimizer(optimizer)                         # its state is verified at rest
     mon.watch_replicas("norms", lambda: [(n, p.grad) for n, p in norms], tp_group)
     for step in steps:
         loss = forward_backward(batch)
@@ -21,19 +22,21 @@ so call them on every rank, every step)::
 
 What each hook checks (details in the modules):
 
-* ``after_backward``: the linear check of every FSDP2 reduce-scatter
-  (:mod:`.reduction`), bitwise equality of registered replicated gradients
-  (:func:`.checksums.compare_replicas`), parameters at rest (the hash taken by
-  ``after_optimizer_step`` must still hold: nothing may change a parameter
-  between two optimizer steps), non-finite loss and pre-reduction gradients,
+* ``after_backward``: the linear check of every FSDP2 reduce-scatter and the
+  reduced gradients' bit-sums since it (:mod:`.reduction`), bitwise equality of
+  registered replicated gradients (:func:`.checksums.compare_replicas`),
+  parameters and the watched optimizers' state at rest (the hashes taken by
+  ``after_optimizer_step`` must still hold: nothing may change them between two
+  optimizer steps; :mod:`.atrest`), non-finite loss and pre-reduction gradients,
   and robust spikes of the loss and of each rank's pre-reduction gradient L1.
   A gradient-side suspicion asks for a REPLAY: the pre-step state is intact
   (the optimizer has not run), so recomputing the step is the recovery.
 * ``after_replay``: the exact checks again, plus each rank's fingerprint of
   its gradients against the original; the :class:`.replay.ReplayStateMachine`
   turns them into verdicts. On-demand probes settle reproducible suspicions.
-* ``after_optimizer_step``: records the at-rest hash and, every
-  ``param_check_every`` steps, compares registered replicated parameters.
+* ``after_optimizer_step``: records the at-rest hashes (parameters every
+  ``param_check_every`` steps, optimizer state every ``state_check_every``)
+  and compares registered replicated parameters.
 
 Events (``resilient.events``): ``sdc_suspect``, ``sdc_replay``,
 ``sdc_verdict``, ``sdc_probe``, ``quarantine``, ``rollback``; written by world
@@ -45,7 +48,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable, Sequence
@@ -54,24 +56,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient.sdc.api import (KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA, Action,
-                               Decision, SdcConfig, SdcDetected, Suspicion, Verdict)
-from resilient.sdc.checksums import RobustSpike, bitsum, compare_replicas, local
+from resilient.sdc.api import (KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA,
+                               KIND_STATE_AT_REST, Action, Decision, SdcConfig, SdcDetected, SdcError, Spent, Suspicion,
+                               Verdict)
+from resilient.sdc.atrest import Resting, at_rest_delta  # noqa: F401 - at_rest_delta: its public home was here
+from resilient.sdc.checksums import RobustSpike, compare_replicas
 from resilient.sdc.probes import Prober
 from resilient.sdc.reduction import ReductionCheck, attach_fsdp
 from resilient.sdc.replay import EXACT_KINDS, Match, ReplayStateMachine, compare, fingerprint
 
 Parts = nn.Module | Sequence[nn.Module]
+# state the optimizer step wrote and nothing else may touch: a change cannot be replayed away
+AT_REST_KINDS = frozenset({KIND_AT_REST, KIND_STATE_AT_REST})
 
 
 def _timed(fn):
-    """Count a hook's wall time into :meth:`SdcMonitor.overhead_seconds`."""
+    """Count a hook's wall and CPU time into :meth:`SdcMonitor.overhead_seconds`."""
     def wrapper(self, *a, **kw):
-        t0 = time.perf_counter()
+        t0 = Spent.now()
         try:
             return fn(self, *a, **kw)
         finally:
-            self._hook_seconds += time.perf_counter() - t0
+            self._spent.since(t0)
     wrapper.__doc__, wrapper.__name__, wrapper.__wrapped__ = fn.__doc__, fn.__name__, fn
     return wrapper
 
@@ -86,29 +92,6 @@ def _named_params(model_parts: Parts) -> list[tuple[str, nn.Parameter]]:
         prefix = f"{i}:" if not isinstance(model_parts, nn.Module) else ""
         out += [(prefix + n, p) for n, p in m.named_parameters()]
     return out
-
-
-def _bitsums(tensors) -> torch.Tensor:
-    """int64 host tensor of the int32 bit-sums of the local tensors (one copy)."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.stack([bitsum(local(t).detach()) for t in tensors]).to(torch.int64).cpu()
-
-
-def at_rest_delta(delta: int) -> tuple[int, bool]:
-    """(the bit-sum change mod 2**32 as a signed number, harmless?) of a tensor at rest.
-
-    One flip of bit ``k`` changes the bit-sum by ±2**k. A flip of mantissa bit
-    ``k`` of an element ``x`` changes it by ``2**(k - mantissa_bits)·2**e(x) ≤
-    2**(k - mantissa_bits)·amax``; the harmless bound of a rounding is
-    ``4u·amax = 2**(1 - mantissa_bits)·amax`` (see
-    :func:`~.checksums.harmless_bound`), so exactly the flips of bits 0 and 1
-    are harmless, whatever the dtype and without the old value: the record
-    after the optimizer step needs the bit-sums only (no float64 pass).
-    Anything else (a higher bit, several elements) is not.
-    """
-    delta = (delta + (1 << 31)) % (1 << 32) - (1 << 31)
-    return delta, abs(delta) in (1, 2)
 
 
 def device_id(device: torch.device | str | None = None) -> str:
@@ -157,10 +140,10 @@ class SdcMonitor:
         self.sm = ReplayStateMachine(max_transients=self.cfg.max_transients)
         self.loss_spikes: dict[int, RobustSpike] = {}
         self.devices: dict[int, str] = {}
-        self._at_rest: tuple[int, list[str], torch.Tensor] | None = None  # (step, names, bit-sums)
+        self.resting = Resting()   # parameters and optimizer state: hashed after a due step, verified at the next
         self._last_verified = -1   # newest step whose parameters a check verified clean
         self._external: list[Suspicion] = []
-        self._hook_seconds = 0.0
+        self._spent = Spent()   # in the hooks (the reduce-scatter wrappers keep their own)
         self._probe_seen = 0
         self._named: tuple[list, list] | None = None   # (each part's first parameter, named parameters)
         if self.cfg.enable and self.cfg.probe_every > 0:
@@ -211,6 +194,19 @@ class SdcMonitor:
         if what not in ("grad", "param"):
             raise ValueError(f"what={what!r}; use 'grad' or 'param'")
         self.replicas.append(_ReplicaSet(name, tensors, group, what))
+
+    def watch_optimizer(self, optimizer) -> None:
+        """Hash ``optimizer``'s state after each due step and verify it before the
+        next one (``state_check_every``): Adam's moments and step counters are
+        written by the optimizer step only, so any change in between is corruption,
+        caught exactly, before the step that would read it. Works on a
+        ``torch.optim.Optimizer`` or anything with a ``.state`` mapping from
+        parameters to dicts of tensors (``resilient.optim.Optimizers``).
+        Where the state is replicated (DDP, tp-replicated norms) a flip inside the
+        optimizer's arithmetic shows up in the replicated parameters instead."""
+        if not hasattr(optimizer, "state"):
+            raise SdcError(f"{type(optimizer).__name__} has no .state mapping; pass the optimizer itself")
+        self.resting.optimizers.append(optimizer)
 
     def report(self, suspicions: Iterable[Suspicion]) -> None:
         """Add suspicions from checks run by the loop itself (e.g. the result of
@@ -287,20 +283,8 @@ class SdcMonitor:
         dist.all_gather(out, v.to(dev), group=self.group)
         return torch.stack(out).cpu()
 
-    def _at_rest_check(self, step: int, model_parts: Parts) -> list[Suspicion]:
-        if self._at_rest is None:
-            return []
-        rec_step, names, bits = self._at_rest
-        params = dict(self._params(model_parts))
-        # one int32 bit-sum per tensor (every single-bit flip changes it)
-        now_bits = _bitsums([params[n] for n in names])
-        out = []
-        for i in torch.nonzero(now_bits != bits).flatten().tolist():
-            delta, harmless = at_rest_delta(int(now_bits[i]) - int(bits[i]))
-            out.append(Suspicion(step=step, rank=self.rank, kind=KIND_AT_REST, tensor=names[i],
-                                 device=self._devices()[self.rank], harmless=harmless,
-                                 evidence={"hashed_after_step": rec_step, "bitsum_delta": delta}))
-        return out
+    def _at_rest_check(self, step: int, model_parts: Parts) -> tuple[list[Suspicion], int | None]:
+        return self.resting.verify(step, self._params(model_parts), self.rank, self._devices()[self.rank])
 
     def _grad_checks(self, step: int, judge: bool) -> list[Suspicion]:
         sus, self._external = self._external, []
@@ -357,10 +341,9 @@ class SdcMonitor:
             mine = self._grad_checks(step, judge=True)
         else:
             mine, self._external = self._external, []
-        at_rest_step = self._at_rest[0] if self._at_rest is not None else None
-        mine += self._at_rest_check(step, model_parts)   # the hash of the last due step, if any
+        at_rest, at_rest_step = self._at_rest_check(step, model_parts)   # the hashes of the last due step, if any
+        mine += at_rest
         mine += self._probe_suspicions(step)
-        self._at_rest = None
         lval = float(loss) if loss is not None else None
         tables = [chk.local_rows() for chk in self.reductions] if fused else []
         scalars = self._exchange_scalars(lval, len(mine), tables)
@@ -377,7 +360,7 @@ class SdcMonitor:
             sus, _ = self._agree(mine)
         sus = sus + agreed
         sus = self._finish(step, sorted(sus + loss_sus, key=lambda s: (s.rank, s.kind, s.tensor)))
-        if at_rest_step is not None and not any(s.kind == KIND_AT_REST and not s.harmless for s in sus):
+        if at_rest_step is not None and not any(s.kind in AT_REST_KINDS and not s.harmless for s in sus):
             self._last_verified = max(self._last_verified, at_rest_step)   # that version's parameters held
         if not sus:
             return Decision()
@@ -391,7 +374,7 @@ class SdcMonitor:
                 self._emit("sdc_verdict", step=step, suspect_rank=r, device=self._devices().get(r, ""),
                            verdict="persistent", kinds=[KIND_PROBE])
             return self._quarantine(step, d, probed)
-        at_rest = [s for s in real if s.kind == KIND_AT_REST]
+        at_rest = [s for s in real if s.kind in AT_REST_KINDS]
         if at_rest:
             # a corrupted parameter poisons every rank's forward (NaN losses, mismatches
             # downstream): the ranks whose memory changed are the cause, the rest consequences
@@ -455,14 +438,16 @@ class SdcMonitor:
     @_timed
     @torch.no_grad()
     def after_optimizer_step(self, step: int, model_parts: Parts) -> Decision:
-        """Record parameters at rest; compare replicated parameters (every ``param_check_every``)."""
+        """Record parameters (every ``param_check_every``) and optimizer state (every
+        ``state_check_every``) at rest; compare replicated parameters."""
         for chk in self.reductions:   # the next step's backward records only if it will be checked
             chk.arm(self._due(step + 1, self.cfg.check_every))
-        if not self._due(step, self.cfg.param_check_every):
+        params_due = self._due(step, self.cfg.param_check_every)
+        self.resting.record(step, self._params(model_parts), params=params_due,
+                            state=self._due(step, self.cfg.state_check_every))
+        if not params_due:
             return Decision()
         self._devices()
-        named = self._params(model_parts)
-        self._at_rest = (step, [n for n, _ in named], _bitsums([p for _, p in named]))
         psets = [rs for rs in self.replicas if rs.what == "param"]
         if not psets:
             return Decision()
@@ -507,7 +492,7 @@ class SdcMonitor:
         if bad:
             return self._quarantine(step, d, bad)
         self._emit("rollback", step=step, to_step=to, reason="sdc", suspects=ranks)
-        self._at_rest = None
+        self.resting.clear()
         return d
 
     def _quarantine(self, step: int, d: Decision, bad: list[int]) -> Decision:
@@ -517,7 +502,7 @@ class SdcMonitor:
         for r in bad:
             self._emit("quarantine", step=step, suspect_rank=r, device=devs.get(r, ""), reason="sdc persistent")
         self._emit("rollback", step=step, to_step=d.rollback_to, reason="sdc quarantine", suspects=bad)
-        self._at_rest = None
+        self.resting.clear()
         return d
 
     def _probe_ranks(self, step: int, ranks: list[int]) -> set[int]:
@@ -538,10 +523,12 @@ class SdcMonitor:
         return {r} if any(s.rank == r and not (s.kind == KIND_REPLICA and s.evidence.get("majority_bits") is None)
                           for s in sus) else set()
 
-    def overhead_seconds(self) -> float:
-        """Host seconds spent so far in the hooks and in the reduce-scatter wrappers'
-        sums (on CUDA: launch time of the sums, which run on FSDP's stream)."""
-        return self._hook_seconds + sum(u.seconds for chk in self.reductions for u in chk.units)
+    def overhead_seconds(self, cpu: bool = False) -> float:
+        """Seconds spent so far in the hooks and in the reduce-scatter wrappers' sums:
+        wall clock, or process CPU time with ``cpu`` (on CUDA: host time to launch
+        the sums, which run on FSDP's stream)."""
+        parts = [self._spent] + [u.spent for chk in self.reductions for u in chk.units]
+        return sum(p.cpu if cpu else p.wall for p in parts)
 
     def raise_if_fatal(self, d: Decision) -> None:
         """For loops that cannot roll back: turn a QUARANTINE into :class:`SdcDetected`."""
@@ -553,5 +540,5 @@ class SdcMonitor:
 
     def note_restored(self, step: int) -> None:
         """Tell the monitor the loop restored the version of ``step`` (resets at-rest hashes)."""
-        self._at_rest = None
+        self.resting.clear()
         self._last_verified = step

@@ -27,4 +27,8 @@ class SnapshotConfig:
     store_keep: int = knob(2, "node store: keep the newest N versions (plus the newest committed one)")
     replicas: int = knob(1, "peer RAM: copies of each node's shards on other nodes (other failure domains first); 0 = local RAM only")
     replicate_mib_s: float = knob(0.0, "peer RAM: cap on each replication stream in MiB/s, so it shares the link with training; 0 = unlimited")
+    replicate_duty: float = knob(0.1, "peer RAM budget: the share of wall time the agent may spend replicating and committing versions; when a version costs more, only every 2nd, 4th, ... version is replicated (up to replicate_max_stride); 1 = every version, whatever it costs")
+    # 1 by default: the promise is at most one step lost per failure; on a
+    # host where replication eats into training (2 shared cores) 2 halves its cost.
+    replicate_max_stride: int = knob(1, "peer RAM budget: replicate at least every N-th version; 1 = every version (at most one step lost per failure); 2 = every 2nd when replication costs more than replicate_duty (a failure may lose one step more)")
     store_host: str = knob("0.0.0.0", "peer RAM: address the node store's server binds to")

@@ -36,7 +36,6 @@ exception in the training loop.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -51,8 +50,10 @@ from resilient.snapshot.format import (
     MANIFEST_NAME, checksum, compress, dtype_name, manifest_from_json, manifest_to_json,
     should_compress, version_dir,
 )
+from resilient.snapshot.nodestore import BELL, SPARES, Doorbell, Spares
+from resilient.snapshot.priority import UPLOAD_NICE, background_priority
 from resilient.snapshot.retention import collect_garbage
-from resilient.snapshot.storage import RetryPolicy, is_remote, with_retry, write_object
+from resilient.snapshot.storage import RetryPolicy, is_remote, node_store_path, with_retry, write_object
 
 
 @dataclass
@@ -75,12 +76,7 @@ def emit(events: Any, kind: str, **fields: Any) -> None:
 
 
 def _background_priority() -> None:
-    """Lower this thread's CPU priority (Linux: nice is per thread) so checksums and
-    writes yield to the training thread on a busy host."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
+    background_priority(UPLOAD_NICE)
 
 
 def rank_manifest_name(attempt: str, rank: int) -> str:
@@ -99,6 +95,9 @@ class Uploader:
         self.layout, self.config_digest, self.committer = layout, config_digest, committer
         self.attempt = ""
         self.remote = is_remote(fs)
+        store = node_store_path(fs, root)  # an agent's node store: rewrite its spares, ring its bell
+        self.spares = Spares(store / SPARES) if store is not None else None
+        self.bell = store / BELL if store is not None else None
         self.last_uploaded: int | None = None
         self.failures = 0
         self._stop = threading.Event()
@@ -152,7 +151,7 @@ class Uploader:
                  attempt=attempt, error=f"{type(err).__name__}: {err}", retrying=True)
 
         with_retry(lambda: write_object(self.fs, f"{vdir}/{obj}", payloads(),
-                                        lambda: sum(r.length for _, r in records)),
+                                        lambda: sum(r.length for _, r in records), self.spares),
                    f"{vdir}/{obj}", self.opts.retry, bump)
         return records
 
@@ -186,6 +185,8 @@ class Uploader:
              seconds=round(seconds, 4), mb_s=round(raw / max(seconds, 1e-9) / 1e6, 1), retries=retries[0])
         if self.committer is not None:
             self.committer.add(slot.step, adir)
+        if self.bell is not None:
+            Doorbell.ring(self.bell)
 
     def close(self, timeout: timedelta) -> None:
         self.ring.wait_idle(timeout, self.consumer)

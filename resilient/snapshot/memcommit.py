@@ -1,9 +1,13 @@
 """The agent's replicator: local versions → peer RAM → commit records in etcd.
 
-One daemon thread per agent, never in the training path. Each turn it takes
-the *newest* version its workers finished writing into the node store (all
-of the node's ranks have their rank manifest; older unfinished versions are
-skipped: coalescing, as the durable uploader does), and
+One daemon thread per agent, never in the training path, at the lowest CPU
+priority (:mod:`.priority`). It sleeps on the store's doorbell (each rank
+rings it after writing a version) and each turn takes the *newest* version
+its workers finished writing into the node store (all of the node's ranks
+have their rank manifest; older unfinished versions are skipped: coalescing,
+as the durable uploader does) whose step is due under the budget (every
+version, or every 2nd, ... when versions cost more than ``duty`` of the time
+between them: :meth:`Replicator._budget`), and
 
 1. pushes the node's rank files (parts first, rank manifest last) to
    ``k`` peers (:func:`~resilient.snapshot.peer.peer_order`: other failure
@@ -26,8 +30,10 @@ once (create-only) so concurrent agents never disagree about a version.
 with ``k = 0``).
 
 Retention: the store keeps the newest ``keep`` versions plus the newest one
-committed at a memory tier (never deleted while it is the newest), so it is
-bounded at ``keep + 1`` versions. When tmpfs runs low the thread warns
+committed at a memory tier (never deleted while it is the newest) and the
+newest one handled, so it is bounded at ``keep + 2`` versions, plus those
+landing while the budget waits for a due one. Retired data files become the
+store's spares (:class:`~resilient.snapshot.nodestore.Spares`). When tmpfs runs low the thread warns
 (``upload_error`` with ``phase = "store_full"``) instead of failing.
 """
 
@@ -42,8 +48,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-from resilient.snapshot.nodestore import LocalVersion, NodeStore
+from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError, peer_order
+from resilient.snapshot.priority import REPLICATION_NICE, background_priority
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +72,13 @@ class ReplicatorOptions:
     k: int = 1
     keep: int = 2
     rate: float = 0.0                       # bytes/s per push, 0 = unlimited
-    poll: timedelta = timedelta(milliseconds=50)
+    # Budget (see Replicator._budget): the share of wall time the replicator may spend
+    # handling versions, and the most steps between two versions it handles (1: every
+    # version, at most one step lost per failure; 2: a failure may lose one step more).
+    duty: float = 0.1
+    max_stride: int = 1
+    poll: timedelta = timedelta(milliseconds=50)      # listing the store, when it has no doorbell
+    fallback: timedelta = timedelta(seconds=1)        # listing it anyway, between doorbell rings
     io_timeout: timedelta = timedelta(seconds=30)
     nodes_ttl: timedelta = timedelta(seconds=1)
 
@@ -87,10 +100,17 @@ class Replicator:
         self._cond = threading.Condition()
         self._stop = False
         self._busy = False
+        self._stride = 1                     # handle steps that are multiples of stride * unit
+        self._unit = 0                       # the step gap between versions (snapshot.every)
+        self._cost = 0.0                     # seconds per handled version (moving average)
+        self._gap = 0.0                      # seconds between two versions landing (moving average)
+        self._last: LocalVersion | None = None
+        self._urgent = False                 # preemption: the newest version, whatever the stride
         self._warned_full = 0.0
         self._nodes: dict[str, dict] = {}
         self._peer_committed = -1
         self._nodes_at = 0.0
+        self._bell = Doorbell(store.path)
         self._thread = threading.Thread(target=self._run, name="snapshot-replicator", daemon=True)
         self._thread.start()
 
@@ -100,29 +120,54 @@ class Replicator:
             # A new worker group: what the previous one left unfinished is not ours to commit.
             self.local_ranks, self.world = frozenset(ranks), world
             self.since, self.done = time.time() - 0.5, -1
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the loop, whether it waits on the condition or on the doorbell."""
+        with self._cond:
             self._cond.notify_all()
+        Doorbell.ring(self._bell.path)
+
+    def _idle(self) -> None:
+        """Wait for a version to land: a doorbell ring, or the store's listing interval."""
+        if self._bell.sock is not None:
+            self._bell.wait(self.opts.fallback.total_seconds())
+        else:
+            with self._cond:
+                self._cond.wait(self.opts.poll.total_seconds())
 
     # -- the loop ---------------------------------------------------------------
-    def _newest_ready(self) -> LocalVersion | None:
+    def _newest_ready(self) -> tuple[LocalVersion | None, LocalVersion | None]:
+        """(the newest finished version not yet handled, the newest one due under the budget)."""
         with self._cond:
-            mine = self.local_ranks
+            mine, stride, urgent = self.local_ranks, self._stride * max(self._unit, 1), self._urgent
         if not mine:
-            return None
+            return None, None
         ready = [v for v in self.store.versions() if mine <= v.ranks and v.step > self.done and v.mtime >= self.since]
-        return ready[-1] if ready else None
+        if not ready:
+            return None, None
+        due = [v for v in ready if urgent or v.step % stride == 0]
+        return ready[-1], (due[-1] if due else None)
 
     def _run(self) -> None:
+        background_priority(REPLICATION_NICE)
+        skipped = -1
         while True:
             with self._cond:
                 if self._stop:
                     return
-            v = self._newest_ready()
+            newest, v = self._newest_ready()
+            if newest is not None:
+                self._observe(newest)
             if v is None:
-                with self._cond:
-                    self._cond.wait(self.opts.poll.total_seconds())
+                if newest is not None and newest.step > skipped:
+                    skipped = newest.step  # older versions will never be handled: free their RAM
+                    self._retain(below=newest.step - 1)
+                self._idle()
                 continue
             with self._cond:
                 self._busy = True
+            t0 = time.monotonic()
             try:
                 self._handle(v)
             except Exception as e:  # replication must never take the agent down
@@ -133,7 +178,37 @@ class Replicator:
                     self.done = max(self.done, v.step)
                     self._busy = False
                     self._cond.notify_all()
-            self._retain()
+            self._retain(below=self.done)
+            self._budget(time.monotonic() - t0)
+
+    def _observe(self, v: LocalVersion) -> None:
+        """Track how often versions land (their step gap and seconds apart)."""
+        last, self._last = self._last, v
+        if last is None or v.step <= last.step or v.mtime <= last.mtime:
+            return
+        gap = v.step - last.step
+        self._unit = gap if self._unit <= 0 else min(self._unit, gap)
+        per = (v.mtime - last.mtime) / (gap // max(self._unit, 1) or 1)
+        self._gap = per if self._gap <= 0 else 0.7 * self._gap + 0.3 * per
+
+    def _budget(self, spent: float) -> None:
+        """Choose the stride that keeps the replicator within ``opts.duty`` of wall time.
+
+        Why: on a host that trains, a version's push, its receipt on the peer and its etcd
+        writes are CPU the training ranks do not get. When a version costs more than
+        ``duty`` of the time between versions, only every ``stride``-th version is handled
+        (a power of two up to ``max_stride``, on multiples of it: every agent estimates its
+        stride alone, and multiples of the larger one are handled by all, so they commit).
+        The cost is wall time, so a loaded host, a slow peer or a slow etcd all widen the
+        stride. A preemption (:meth:`flush`) takes the newest version whatever the stride."""
+        self._cost = spent if self._cost <= 0 else 0.7 * self._cost + 0.3 * spent
+        duty, cap = self.opts.duty, max(1, self.opts.max_stride)
+        stride = 1
+        if 0 < duty < 1 and self._gap > 0:
+            while stride < cap and self._cost > duty * stride * self._gap:
+                stride *= 2
+        with self._cond:
+            self._stride = stride
 
     def _handle(self, v: LocalVersion) -> None:
         """Push this node's ranks of ``v`` to ``k`` peers, then record what is held where and
@@ -191,9 +266,7 @@ class Replicator:
         sent = 0
         for r in ranks:
             for rel in self.store.rank_files(v.step, v.attempt, r):
-                data = self.store.read(rel)
-                c.put(rel, data)
-                sent += len(data)
+                sent += c.put_file(rel, self.store.file(rel))
         return sent
 
     # -- etcd records -----------------------------------------------------------
@@ -268,14 +341,17 @@ class Replicator:
             log.debug("could not forget old commit records: %s", e)
 
     # -- retention --------------------------------------------------------------
-    def _retain(self) -> None:
-        # Only versions at or below the newest one handled are candidates: a newer step
-        # directory may still be landing (no rank manifest yet), and must not be touched.
+    def _retain(self, below: int) -> None:
+        # Only versions at or below ``below`` (the newest one handled, or one older than a
+        # version the budget skips to) are candidates: a newer step directory may still be
+        # landing (no rank manifest yet), and must not be touched.
         with self._cond:
-            done, committed = self.done, set(self.committed.values())
-        steps = sorted({v.step for v in self.store.versions() if v.step <= done})
+            # The newest version handled stays too: our holds record of it may still become
+            # a commit (another node's txn reads it), which must not name deleted bytes.
+            committed = set(self.committed.values()) | {self.done}
+        steps = sorted({v.step for v in self.store.versions() if v.step <= below})
         keep = set(steps[-self.opts.keep:]) | committed
-        removed = self.store.retain(keep, below=done)
+        removed = self.store.retain(keep, below=below)
         try:
             free = self.store.free_bytes()
         except OSError:
@@ -291,8 +367,11 @@ class Replicator:
     def flush(self, timeout: timedelta) -> bool:
         """Wait until the newest finished version is handled (preemption: before leaving)."""
         deadline = time.monotonic() + timeout.total_seconds()
+        with self._cond:  # leaving: the newest version must not wait for the budget
+            self._urgent = True
+        self._wake()
         while time.monotonic() < deadline:
-            v = self._newest_ready()
+            v, _ = self._newest_ready()
             with self._cond:
                 if v is None and not self._busy:
                     return True
@@ -302,8 +381,9 @@ class Replicator:
     def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
         with self._cond:
             self._stop = True
-            self._cond.notify_all()
+        self._wake()
         self._thread.join(timeout.total_seconds())
+        self._bell.close()
         for peer in list(self._clients):
             self._drop_client(peer)
 

@@ -19,12 +19,14 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete, StorageError
+from resilient.snapshot.nodestore import OWNER, Spares, open_for_rewrite
 
 T = TypeVar("T")
 
@@ -74,21 +76,32 @@ def open_url(url: str, storage_options: dict | None = None) -> tuple[fsspec.Abst
     return fs, root.rstrip("/")
 
 
+def node_store_path(fs: fsspec.AbstractFileSystem, root: str) -> Path | None:
+    """``root`` as a path if it is an agent's node store (it holds the owner file), so a
+    rank's writer can rewrite its spare files and ring its doorbell; else None."""
+    if not isinstance(fs, LocalFileSystem):
+        return None
+    path = Path(fs._strip_protocol(root))
+    return path if (path / OWNER).is_file() else None
+
+
 def is_remote(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether the link is slow enough that compressing 16-bit floats pays."""
     protos = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return not any(p in ("file", "local", "memory") for p in protos)
 
 
-def _write_local(path: str, pieces: Iterable[Any]) -> None:
-    """Temp file, fsync, rename, fsync the directory: the object is whole or absent, even after a power cut."""
+def _write_local(path: str, pieces: Iterable[Any], spares: Spares | None = None) -> None:
+    """Temp file, fsync, rename, fsync the directory: the object is whole or absent, even after a power cut.
+    ``spares``: a node store's retired files, one of which is rewritten in place if left."""
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with open(tmp, "wb") as f:
+        with open_for_rewrite(Path(tmp), spares) as f:
             for p in pieces:
                 f.write(p)
+            f.truncate()
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -106,11 +119,11 @@ def _write_local(path: str, pieces: Iterable[Any]) -> None:
 
 
 def write_object(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[Any],
-                 size: int | Callable[[], int]) -> None:
+                 size: int | Callable[[], int], spares: Spares | None = None) -> None:
     """Write the concatenation of ``pieces`` (bytes-like) to ``path`` atomically, then check
     its size (``size`` may be a callable, for pieces produced while writing)."""
     if isinstance(fs, LocalFileSystem):
-        _write_local(fs._strip_protocol(path), pieces)
+        _write_local(fs._strip_protocol(path), pieces, spares)
     else:
         with fs.open(path, "wb") as f:
             for p in pieces:
