@@ -150,14 +150,21 @@ def test_a_node_waiting_on_a_full_round_does_not_make_it_restart(etcd):
 
         _wait(in_a_list, 30, "the spare to wait on the full round")
         # Put the spare where the restart race leaves it: in the wait list of the full round.
-        with members[0]._heartbeat_lock:
-            holder.sync()
-            holder.state.redundancy_list.discard(spare._this_node)
-            holder.state.wait_list.add(spare._this_node)
-            holder.mark_dirty()
-            holder.sync()
+        # The write is a compare-and-set: it loses to a concurrent keep-alive of another
+        # handler (then the state is re-read without it), so try until it sticks.
+        def moved_to_wait_list():
+            with members[0]._heartbeat_lock:
+                holder.sync()
+                if spare._this_node not in holder.state.wait_list:
+                    holder.state.redundancy_list.discard(spare._this_node)
+                    holder.state.wait_list.add(spare._this_node)
+                    holder.mark_dirty()
+                    holder.sync()
+                return spare._this_node in holder.state.wait_list
+
+        _wait(moved_to_wait_list, 30, "the spare in the wait list of the full round")
         # (torch caches the state for 1 s)
-        _wait(lambda: DynamicRendezvousHandler.num_nodes_waiting(members[1]) == 1, 10, "torch to count it (the churn)")
+        _wait(lambda: DynamicRendezvousHandler.num_nodes_waiting(members[1]) == 1, 30, "torch to count it (the churn)")
         st = holder.state
         assert [h.num_nodes_waiting() for h in members] == [0, 0, 0], (st.complete, st.participants, st.wait_list, st.round)
         # A member dies: now the round has room, and the spare counts.
