@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from launchutil import CORPUS_TEXT_BYTES
@@ -49,3 +51,16 @@ def s3_endpoint():
     finally:
         server.stop()
         mp.undo()
+
+
+@pytest.fixture
+def restore_share_env():
+    """Creating an etcd3 rendezvous handler sets its SHARE_STORE_ENV process-wide; undo it per test."""
+    from resilient.rendezvous.registry import SHARE_STORE_ENV
+
+    saved = os.environ.get(SHARE_STORE_ENV)
+    yield
+    if saved is None:
+        os.environ.pop(SHARE_STORE_ENV, None)
+    else:
+        os.environ[SHARE_STORE_ENV] = saved

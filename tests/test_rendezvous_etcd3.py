@@ -31,7 +31,7 @@ from resilient.rendezvous import (
 )
 from resilient.rendezvous.registry import SHARE_STORE_ENV
 
-pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60), pytest.mark.usefixtures("restore_share_env")]
 
 
 @pytest.fixture
@@ -39,16 +39,6 @@ def client(etcd):
     with etcd.client(retry_timeout=timedelta(seconds=20)) as c:
         yield c
 
-
-@pytest.fixture(autouse=True)
-def _restore_share_env():
-    """Creating an etcd3 handler sets SHARE_STORE_ENV process-wide; undo it per test."""
-    saved = os.environ.get(SHARE_STORE_ENV)
-    yield
-    if saved is None:
-        os.environ.pop(SHARE_STORE_ENV, None)
-    else:
-        os.environ[SHARE_STORE_ENV] = saved
 
 
 def _params(etcd_endpoint: str, run_id: str, min_nodes=1, max_nodes=1, **conf) -> RendezvousParameters:

@@ -9,7 +9,6 @@ chaos soak found in torch's DynamicRendezvousHandler (see resilient/rendezvous/h
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,24 +21,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 
 from resilient.etcd.testing import unique_run_id
 from resilient.rendezvous import Etcd3Store, RendezvousRoundLost, create_etcd3_handler
-from resilient.rendezvous.registry import SHARE_STORE_ENV
 
-pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120), pytest.mark.usefixtures("restore_share_env")]
 
 # Generous bounds: they separate "noticed the lost round" from "waited out the
 # store timeout" (STORE_TIMEOUT), not fast from slow.
 STORE_TIMEOUT = 120
 LOST_BOUND = 45
 
-
-@pytest.fixture(autouse=True)
-def _restore_share_env():
-    saved = os.environ.get(SHARE_STORE_ENV)
-    yield
-    if saved is None:
-        os.environ.pop(SHARE_STORE_ENV, None)
-    else:
-        os.environ[SHARE_STORE_ENV] = saved
 
 
 def _handler(endpoint: str, run_id: str, min_nodes: int, max_nodes: int, **conf):
