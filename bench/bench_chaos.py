@@ -95,16 +95,19 @@ def summarize(path: Path) -> dict:
     goals = [goal("every property of the soak held (no committed step lost, each step committed once, "
                   "recoveries under their bound, nothing leaked)", not failed if props else None,
                   f"{len(held)}/{len(props)} held" + (f"; failed: {failed}" if failed else ""))]
-    name = body.get("scenario", {}).get("name") if isinstance(body.get("scenario"), dict) else body.get("scenario")
+    sc = body.get("scenario") if isinstance(body.get("scenario"), dict) else {}
+    name = sc.get("name") if sc else body.get("scenario")
+    # The command that made this report: a scaled run carries its own budget (--budget).
+    budget = sc.get("budget_seconds")
+    command = "resilient chaos run chaos/scenarios/soak.toml" + (f" --budget {budget:g}" if budget else "")
     written = body.get("written_at")
     when = dt.datetime.fromtimestamp(written, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if written else "?"
     notes = [f"read from `{os.path.relpath(path, REPO)}` (newest report; set ${ENV} to choose another); "
              f"scenario: {name or '?'}; written {when}.",
-             "Not measured by this suite: a soak runs for hours. Reproduce: "
-             "`resilient chaos run chaos/scenarios/soak.toml`."]
+             f"Not measured by this suite: a soak runs for hours. Reproduce: `{command}`."]
     notes += [f"property {p.get('name', '?')}: {p.get('detail', p.get('message', ''))}"[:300] for p in props]
     out = row("Chaos soak: faults survived, steps lost, recovery by fault kind", figures, {}, goals, notes)
-    out["command"] = "resilient chaos run chaos/scenarios/soak.toml"
+    out["command"] = command
     out["report"] = os.path.relpath(path, REPO)
     return out
 
