@@ -181,13 +181,13 @@ def test_a_rank_rings_the_agents_doorbell_after_each_version(store):
     bell = Doorbell(store.path)
     try:
         assert bell.sock is not None
-        assert not bell.wait(0.05)                  # nothing landed yet
+        assert not bell.wait(timedelta(milliseconds=50))  # nothing landed yet
         Doorbell.ring(store.path / "missing.bell")  # a ring nobody hears is not an error
         snap = Snapshotter(store.url, every=1, compress="none", commit=False)
         try:
             snap.save(1, {"w": torch.arange(10.0)})
             assert snap.wait()
-            assert bell.wait(5.0)                   # the rank manifest landed
+            assert bell.wait(timedelta(seconds=5))  # the rank manifest landed
             assert [v.step for v in store.versions()] == [1]
         finally:
             snap.close()

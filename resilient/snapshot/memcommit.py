@@ -131,7 +131,7 @@ class Replicator:
     def _idle(self) -> None:
         """Wait for a version to land: a doorbell ring, or the store's listing interval."""
         if self._bell.sock is not None:
-            self._bell.wait(self.opts.fallback.total_seconds())
+            self._bell.wait(self.opts.fallback)
         else:
             with self._cond:
                 self._cond.wait(self.opts.poll.total_seconds())

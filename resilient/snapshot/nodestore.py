@@ -34,6 +34,7 @@ import shutil
 import socket
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -324,11 +325,11 @@ class Doorbell:
             self.sock.close()
             self.sock = None
 
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a ring (False: none came, or no socket)."""
+    def wait(self, timeout: timedelta) -> bool:
+        """Wait up to ``timeout`` for a ring (False: none came, or no socket)."""
         if self.sock is None:
             return False
-        self.sock.settimeout(timeout)
+        self.sock.settimeout(timeout.total_seconds())
         try:
             self.sock.recv(64)
         except (socket.timeout, OSError):
