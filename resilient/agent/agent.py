@@ -14,9 +14,10 @@ This class supplies the four hooks it leaves abstract and adds:
   pool's zygote (torch and the trainer already imported, see
   :class:`~.pool.WarmPool`), so a restart costs a fork, not an import; the
   agent joins its first rendezvous only once that zygote is ready;
-- ``_rendezvous`` joins the next round when the one just completed lost a
-  member before the workers started (:class:`RendezvousRoundLost`), instead
-  of waiting out the store timeout;
+- ``_rendezvous`` first evicts members proven dead (their agent's port
+  refuses connections, :meth:`NodeRegistry.proven_dead`), and joins the next
+  round when the one just completed lost a member before the workers started
+  (:class:`RendezvousRoundLost`), instead of waiting out the store timeout;
 - ``_monitor_workers`` reports FAILED on a non-zero exit, UNHEALTHY on a
   missed heartbeat, and restarts at once (not counted against
   ``max_restarts``) when another node of the round lost its liveness key;
@@ -89,8 +90,11 @@ class ResilientAgent(SimpleElasticAgent):
             self.store = NodeStoreService(settings.store, settings.run_id, settings.node_id,
                                           settings.etcd_endpoint, settings.etcd_factory, self._tmp, events,
                                           settings.etcd_conf)
-            if registry is not None:
-                registry.update(store=self.store.server.address)
+        if registry is not None:
+            info = {"store": self.store.server.address} if self.store is not None else {}
+            if hasattr(spec.rdzv_handler, "node_desc"):
+                info["rdzv"] = spec.rdzv_handler.node_desc
+            registry.update(**info)
 
     # -- the loop ---------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:
@@ -129,6 +133,7 @@ class ResilientAgent(SimpleElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         t0 = time.monotonic()
         for attempt in range(1, MAX_LOST_ROUNDS + 1):
+            self._evict_dead_members(worker_group)
             try:
                 self._join_round(worker_group)
                 break
@@ -143,6 +148,18 @@ class ResilientAgent(SimpleElasticAgent):
         self.events.emit("rendezvous", round=self._round, group_rank=worker_group.group_rank,
                          nodes=sorted(self.round_nodes), world=worker_group.workers[0].world_size,
                          seconds=time.monotonic() - t0)
+
+    def _evict_dead_members(self, worker_group: WorkerGroup) -> None:
+        handler = worker_group.spec.rdzv_handler
+        if self.registry is None or not hasattr(handler, "evict"):
+            return
+        try:
+            dead = handler.evict(self.registry.proven_dead)
+        except Exception as e:  # an optimization: the keep-alive expiry still evicts them
+            log.warning("could not evict dead members from the rendezvous: %s", e)
+            return
+        if dead:
+            self.events.emit("evicted", nodes=dead, reason="agent port refuses connections")
 
     def _join_round(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)

@@ -7,6 +7,12 @@ node that leaves on purpose revokes its lease, deleting the key at once.
 Agents compare the nodes of their current rendezvous round with the live
 keys: a member whose key is gone means the round is broken, and the agent
 restarts its workers instead of letting them wait out a collective timeout.
+
+A description also carries the node's name in the rendezvous state
+(``rdzv``) and its snapshot server's address (``store``), so that
+:meth:`NodeRegistry.proven_dead` can tell a dead agent from a slow one:
+a port that refuses connections on a host that answers is a dead process,
+and the rendezvous evicts it at once instead of after its keep-alive lapses.
 """
 
 from __future__ import annotations
@@ -79,9 +85,31 @@ class NodeRegistry:
                     gone.add(m)
         return gone
 
+    def proven_dead(self, names: list[str], timeout: timedelta = timedelta(seconds=0.5)) -> set[str]:
+        """The rendezvous names (``rdzv``) among ``names`` whose agent is certainly gone:
+        its snapshot server refuses connections. A timeout, an unknown name or an
+        unreachable etcd proves nothing (a partition, a slow host, an outage)."""
+        nodes = self.alive()
+        if nodes is None:
+            return set()
+        stores = {d.get("rdzv"): d.get("store") for d in nodes.values() if d.get("node") != self.node_id}
+        return {n for n in names if stores.get(n) and refuses_connections(stores[n], timeout)}
+
     def leave(self) -> None:
         """Revoke the lease: our key disappears now, not ``ttl`` later."""
         try:
             self.lease.close(revoke=True)
         except EtcdError as e:
             log.warning("could not revoke the node lease: %s", e)
+
+
+def refuses_connections(address: str, timeout: timedelta) -> bool:
+    """True when ``host:port`` actively refuses a TCP connection (nothing listens there)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout.total_seconds()):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False

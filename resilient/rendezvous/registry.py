@@ -32,6 +32,8 @@ keep_alive_interval, keep_alive_max_attempt
                      passed to torch's DynamicRendezvousHandler. With
                      ``--nnodes MIN:MAX`` torch's default last_call_timeout
                      (30 s) is paid on every round: pass a short one.
+poll_interval        how often a joining (or waiting spare) node reads the
+                     shared state (default 0.1; torch's: 1); see handler.py
 share_tcp_store      default false; see below
 ===================  =========================================================
 
@@ -64,7 +66,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from resilient.etcd.api import EtcdError, EtcdUnavailable
 from resilient.etcd.client import EtcdClient, LivenessLease, parse_endpoints
 from resilient.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousUnavailable
-from resilient.rendezvous.handler import ResilientRendezvousHandler
+from resilient.rendezvous.handler import ResilientRendezvousHandler, install_fast_polling
 from resilient.rendezvous.etcd3_backend import (
     DEFAULT_KEY_PREFIX,
     Etcd3RendezvousBackend,
@@ -197,6 +199,8 @@ def _create_handler(params: RendezvousParameters) -> ResilientRendezvousHandler:
         keep_alive_interval=keep_alive.total_seconds(),  # type: ignore[arg-type,union-attr]
         keep_alive_max_attempt=attempts if attempts is not None else 3,
     )
+    handler.poll = _seconds(params, "poll_interval", 0.1)  # type: ignore[assignment]
+    install_fast_polling()
     # Store waits on a round's members end as soon as the round is lost (see handler.py).
     # A weak reference: the store must not keep a dropped handler (and its keep-alive
     # timer, which torch ties to the handler's lifetime) alive.
