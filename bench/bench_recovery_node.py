@@ -81,13 +81,21 @@ def kill_nodes(run_dir: Path, start: Callable[[str, int], Job], kills: int, need
             def settled() -> bool:
                 alive()
                 steps = _rank0(run_dir, "step", since)
-                durable = [e for e in events(run_dir, "commit") if e.get("tier") == "durable" and e["time"] > since]
-                peer = [e for e in events(run_dir, "commit") if e.get("tier") == "peer" and e["time"] > since]
+                # The victim's worker (rank 1) must be training too, and the commits must be of that
+                # round: with --nnodes 1:2 node a can form a round alone before b joins, and killing
+                # a b that holds no seat measures nothing.
+                theirs = [e for e in events(run_dir, "step") if e.get("rank") == 1 and e["time"] > since]
+                if len(steps) < 3 or len(theirs) < 3:
+                    return False
+                both = theirs[0]["time"]
+                commits = [e for e in events(run_dir, "commit") if e["time"] > both]
+                durable = [e for e in commits if e.get("tier") == "durable"]
+                peer = [e for e in commits if e.get("tier") == "peer"]
                 # resilient: also a peer commit newer than the newest durable one (the steady state with
                 # durable_every > 1), so a kill right after a durable commit does not restore from durable
                 newest_durable = max((e["step"] for e in durable), default=-1)
                 ram_ahead = any(e["step"] > newest_durable for e in peer)
-                return len(steps) >= 3 and bool(durable) and (ram_ahead or not need_peer)
+                return bool(durable) and (ram_ahead or not need_peer)
 
             wait_for(settled, TIMEOUT, "steps and commits before the kill")
             if scenario == "standby":
