@@ -23,6 +23,12 @@ compared pairwise within each cycle of blocks:
 
 A goal is met when the whole interval is within it, not met when the whole
 interval is above it, and otherwise not judged (the interval is stated).
+
+Beside wall time, the CPU seconds of the job's processes (workers, agents,
+etcd; /proc, sampled on a thread) are read at the same block edges: per cycle
+the CPU per step of each mode over off's. Wall time on this shared host swings
+with whatever else runs; the CPU a snapshot costs barely does, and on 2 busy
+cores it is what the step time pays. It is stated, not judged.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 from common import (BENCH, Job, drop_dir, etcd_server, events, fig, goal, launch_cmd, load_note, row, shown,
                     tiny_sets)
@@ -53,6 +62,79 @@ def bootstrap(ratios: list[float], reps: int = 2000, seed: int = 0) -> tuple[flo
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(reps))
     return meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
+
+
+class CpuClock:
+    """CPU seconds (user + system) of a job's processes per role, sampled every ``period``
+    on a thread, readable at any time in between (:meth:`at`, linear between samples)."""
+
+    def __init__(self, roles: Callable[[], dict[str, list[int]]], period: float = 0.2):
+        import psutil
+
+        self.roles, self.period, self._psutil = roles, period, psutil
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._procs: dict[int, object] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-clock", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pids, listed = {}, 0.0
+        while not self._stop.wait(self.period):
+            now = time.time()
+            if now - listed > 2.0:  # listing the process tree costs CPU on the same cores: not every sample
+                pids, listed = self.roles(), now
+            row: dict[str, float] = {}
+            for role, ps in pids.items():
+                for pid in ps:
+                    try:
+                        proc = self._procs.get(pid) or self._procs.setdefault(pid, self._psutil.Process(pid))
+                        c = proc.cpu_times()
+                    except self._psutil.Error:
+                        continue
+                    row[role] = row.get(role, 0.0) + c.user + c.system
+            self.samples.append((now, row))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, t: float) -> dict[str, float] | None:
+        for (t0, a), (t1, b) in zip(self.samples, self.samples[1:]):
+            if t0 <= t <= t1:
+                w = (t - t0) / max(t1 - t0, 1e-9)
+                return {k: a[k] + w * (b[k] - a[k]) for k in a if k in b}
+        return None
+
+
+def job_roles(nodes: list, etcd_pid: int | None) -> dict[str, list[int]]:
+    """The pids of every agent, every process under them (workers), and etcd."""
+    import psutil
+
+    out: dict[str, list[int]] = {"agents": [], "workers": [], "etcd": [etcd_pid] if etcd_pid else []}
+    for j in nodes:
+        out["agents"].append(j.proc.pid)
+        try:
+            out["workers"] += [k.pid for k in psutil.Process(j.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_paired(run_dir: Path, spec: str, drop: int, clock: CpuClock) -> dict[str, dict[str, list[float]]]:
+    """Per mode and role, per full cycle: CPU seconds per step over the block's kept gaps."""
+    t = {e["step"]: e["time"] for e in events(run_dir, "step") if e["rank"] == 0}
+    warmup, block, modes = parse(spec)
+    per: dict[tuple[int, str], dict[str, float]] = {}
+    s = warmup + 1
+    while s + block - 1 in t:
+        first, last = s + drop, s + block - 1  # the kept gaps end at steps first..last
+        a, b = (clock.at(t[first - 1]) if first - 1 in t else None), clock.at(t[last])
+        if a is not None and b is not None:
+            per[cycle_of(s, spec), mode_of(s, spec)] = {k: (b[k] - a[k]) / (last - first + 1) for k in a if k in b}
+        s += block
+    cycles = sorted({c for c, _ in per if all((c, m) in per for m in modes)})
+    return {m: {r: [per[c, m].get(r, 0.0) for c in cycles] for r in ("workers", "agents", "etcd")} for m in modes}
 
 
 def paired(run_dir: Path, spec: str, drop: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -95,17 +177,20 @@ def run(quick: bool) -> dict:
         with etcd_server() as etcd:
             nodes = [Job(launch_cmd(run_dir, sets, nproc=1, node=n, nnodes=2, endpoint=etcd.endpoint, domain=f"r{i}"),
                          run_dir, env=env, name=n) for i, n in enumerate("ab")]
+            clock = CpuClock(lambda: job_roles(nodes, etcd.pid))
             try:
                 for j in nodes:
                     if j.proc.wait(1800) != 0:
                         raise RuntimeError("overhead run failed: " + "\n".join(
                             f"node {n} ({k.proc.poll()}):\n{k.tail()}" for n, k in zip("ab", nodes)))
             finally:
+                clock.close()
                 cmd = shown(nodes[0].cmd)
                 for j in nodes:
                     j.close()
         loads.append(load_note())
         allg, ratios = paired(run_dir, spec, drop)
+        cpu = cpu_paired(run_dir, spec, drop, clock)
         peer = sum(1 for e in events(run_dir, "commit") if e.get("tier") == "peer")
     finally:
         drop_dir(root)
@@ -124,14 +209,28 @@ def run(quick: bool) -> dict:
         if m in GOALS:
             limit, text = GOALS[m]
             goals.append(goal(text, *judge(lo, hi, med, limit)))
+    total = {m: [sum(rs) for rs in zip(*cpu[m].values())] for m in MODES}
+    cpu_notes = []
+    for m in MODES:
+        figures[f"cpu_{m}"] = fig([1e3 * x for x in total[m]], "ms", f"CPU per step, all processes, {LABELS[m]}")
+        if m != "off" and total[m]:
+            rs = [a / b for a, b in zip(total[m], total["off"])]
+            lo, hi = bootstrap(rs)
+            out_ratios[f"cpu_{m}"] = {"value": round(statistics.median(rs), 4), "better": "lower",
+                                      "ci95": [round(lo, 4), round(hi, 4)],
+                                      "label": f"CPU per step (workers + agents + etcd) {LABELS[m]} / off "
+                                               f"(median of {len(rs)} paired cycles; 95% CI {lo:.3f}–{hi:.3f})"}
+        cpu_notes.append(f"{m}: " + ", ".join(
+            f"{r} {1e3 * statistics.median(v):.1f}" for r, v in cpu[m].items() if v))
     notes = [f"One job: {steps} steps = {warmup} warm-up + {cycles} cycles × {len(MODES)} modes × blocks of {block}; "
              f"the first {drop} gaps of each block dropped; 2 nodes × 1 worker (dp=2), demo model (dim 128, "
              "4 layers, seq 128, batch 16; ~14 MB of weights + Adam state), spares off, durable uploads off "
              "(they run in the background every N steps; the durable row measures them).",
              f"{peer} peer commits recorded over the {snap_steps} steps that snapshot (warm-up and the snap "
              f"blocks): one per {snap_steps / max(peer, 1):.1f} steps. Replication k=1 runs under its default "
-             "budget (snapshot.replicate_duty, replicate_max_stride): every version while a version costs the "
-             "agent under a tenth of the time between versions, else every 2nd.",
+             "budget (snapshot.replicate_max_stride = 1): every version.",
+             "CPU ms per step, median over cycles, both nodes together (/proc user + system; workers = every "
+             "process under an agent): " + "; ".join(cpu_notes) + ".",
              "Modes switched by a benchmark-only hook (bench/overhead_hook/sitecustomize.py) around "
              "TrainState.after_step and Trainer.train_step; the production code is unchanged.",
              "Loads before/after: " + "; ".join(loads) + ".",

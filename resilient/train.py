@@ -317,11 +317,12 @@ class Trainer:
         self.events.emit("run_end", step=self.step, param_digest=param_digest(self.model))
         return 0
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """``failed``: the run ended in an error (see :meth:`TrainState.close`)."""
         if self.chaos is not None:
             self.chaos.close()
         with self.heartbeat.while_waiting():
-            self.state.close()
+            self.state.close(failed)
             if self.sdc is not None:
                 self.sdc.close()
         self.events.close()

@@ -22,7 +22,6 @@ restore tries local RAM, peer RAM, then durable
 from __future__ import annotations
 
 import dataclasses
-
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,6 +35,10 @@ from resilient.parallel import ParallelModel
 from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter, rng_state, set_rng_state
 from resilient.snapshot.restore import restore_candidates
 from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
+
+# A failing rank's wait for its in-flight snapshot writes: the node store's (tmpfs) take
+# milliseconds; a durable upload cut short is never committed and is collected later.
+FAILED_CLOSE = timedelta(seconds=2)
 
 
 class _ErrorsOnly:
@@ -243,8 +246,12 @@ class TrainState:
             if snap is not None:
                 snap.wait(timeout)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Finish writing captured versions. ``failed``: this rank is failing (a peer died,
+        an error): bounded waits, no waiting for commits that need every rank
+        (:meth:`Snapshotter.close`)."""
+        timeout = FAILED_CLOSE if failed else timedelta(minutes=10)
         if self.memory is not None:
-            self.memory.close()
+            self.memory.close(timeout, commit=not failed)
         if self.durable is not None:
-            self.durable.close()
+            self.durable.close(timeout, commit=not failed)

@@ -48,20 +48,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from resilient.train import Trainer
 
-    trainer = None
+    trainer, failed = None, False
     try:
         trainer = Trainer(cfg, args.run_dir, node=args.node)
         code = trainer.run()
     except SystemExit as e:  # a decided exit (quarantine, SDC re-forming)
         code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:
+        failed = True
         rank = int(os.environ.get("RANK", "-1"))
         EventLog(os.path.join(args.run_dir, "events.jsonl"), node=args.node, rank=rank).emit(
             "worker_error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         raise
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close(failed)
     # Everything is saved and closed: leave now. Interpreter shutdown with
     # gloo's threads still alive can hang in garbage collection, and a worker
     # that never exits looks hung to its agent.

@@ -86,7 +86,7 @@ def test_username_password():
             c.put("/auth/k", "v")
             assert c.get("/auth/k").value == b"v"
             # A lost/expired token is replaced transparently.
-            c._session.headers["Authorization"] = "stale-token"
+            c._set_token("stale-token")
             assert c.get("/auth/k").value == b"v"
         with EtcdClient(server.endpoint, username="root", password="wrong") as c:
             with pytest.raises(EtcdAuthError, match="root"):

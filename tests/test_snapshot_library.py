@@ -62,3 +62,21 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     assert losses == ref_losses[4:]
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref[k]), k
+
+
+def test_a_failing_rank_does_not_wait_for_commits_that_need_its_dead_peers(tmp_path):
+    """close(commit=False): the writes finish, the commit that needs a rank manifest that
+    will never come is not waited for (a failed worker used to hang until killed)."""
+    import threading
+
+    model, opt = make()
+    snap = Snapshotter((tmp_path / "ckpt").as_uri(), every=1)
+    snap._committer.world = 2  # as if rank 1 of a 2-rank job: its manifest never lands
+    model_sd, optim_sd = get_state_dict(model, opt)
+    snap.save(0, {"model": model_sd, "optim": optim_sd})
+    closing = threading.Thread(target=snap.close, kwargs={"timeout": timedelta(minutes=10), "commit": False})
+    closing.start()
+    closing.join(60)
+    assert not closing.is_alive(), "close(commit=False) waited for a commit that needs a dead rank"
+    assert any((tmp_path / "ckpt").rglob("r00000.json")), "this rank's writes must still finish"
+    assert not any((tmp_path / "ckpt").rglob("manifest.json")), "nothing may be committed without rank 1"

@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from resilient.etcd import EtcdClient, EtcdError, LivenessLease
@@ -93,7 +94,13 @@ class NodeRegistry:
         if nodes is None:
             return set()
         stores = {d.get("rdzv"): d.get("store") for d in nodes.values() if d.get("node") != self.node_id}
-        return {n for n in names if stores.get(n) and refuses_connections(stores[n], timeout)}
+        targets = [n for n in names if stores.get(n)]
+        if len(targets) <= 1:
+            return {n for n in targets if refuses_connections(stores[n], timeout)}
+        # In parallel: a partitioned member costs its whole timeout, and a join waits for all.
+        with ThreadPoolExecutor(min(len(targets), 16), thread_name_prefix="probe") as pool:
+            verdicts = list(pool.map(lambda n: refuses_connections(stores[n], timeout), targets))
+        return {n for n, dead in zip(targets, verdicts) if dead}
 
     def leave(self) -> None:
         """Revoke the lease: our key disappears now, not ``ttl`` later."""

@@ -1,11 +1,13 @@
-"""A thin, typed etcd v3 client over ``etcd3gw`` that rides through outages.
+"""A thin, typed etcd v3 client over etcd's JSON gateway that rides through outages.
 
-Why a wrapper and not ``etcd3gw`` directly:
+Why our own (over :mod:`.transport`, plain ``http.client``) and not ``etcd3gw``:
 
 * ``etcd3gw`` speaks to one endpoint, raises untyped errors, has no
   compare-and-swap on ``mod_revision`` (only a raw ``txn``), no
   username/password authentication and no lease keep-alive. A rendezvous, an
   agent's liveness lease and the snapshot commit records need all of these.
+  And its ``requests`` transport cost ~5x the client CPU per request
+  (:mod:`.transport`), paid every training step by the snapshot replicator.
 * A training run must not die because etcd restarted or lost its leader for
   a second. Every request here is retried with exponential backoff, across
   all configured endpoints, for at most ``retry_timeout``; only then does it
@@ -30,9 +32,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence, TypeVar
 
-import etcd3gw
-import requests
-from etcd3gw import exceptions as gw_exc
 
 from resilient.etcd.api import (
     EtcdAuthError,
@@ -42,6 +41,7 @@ from resilient.etcd.api import (
     KeyValue,
 )
 from resilient.etcd.endpoints import DEFAULT_PORT, parse_endpoints  # noqa: F401  (re-exported)
+from resilient.etcd.transport import Gateway, ServerBusy, TransportError, Unreachable, tls_context
 
 __all__ = [
     "EtcdClient",
@@ -62,11 +62,7 @@ _AUTH_MARKERS = ("auth", "permission denied", "user name is empty", "token")
 
 _TLS_MARKERS = ("SSLError", "CERTIFICATE_VERIFY_FAILED", "certificate required", "bad certificate")
 
-_RETRYABLE = (
-    gw_exc.ConnectionFailedError,
-    gw_exc.ConnectionTimeoutError,
-    gw_exc.InternalServerError,
-)
+_RETRYABLE = (Unreachable, ServerBusy)
 
 
 def _b64(data: bytes | str) -> str:
@@ -169,49 +165,33 @@ class EtcdClient:
         self.retry_timeout = retry_timeout
         self._username = username
         self._password = password
-        self._session = requests.Session()
-        # Passed per request: requests lets REQUESTS_CA_BUNDLE override a
-        # session-level ``verify``, which would silently ignore ``ca_cert``.
-        self._tls: dict[str, Any] = {}
-        if ca_cert:
-            self._tls["verify"] = ca_cert
-        if cert and key:
-            self._tls["cert"] = (cert, key)
+        self._token: str | None = None  # etcd auth token, sent to every endpoint
         default_scheme = "https" if (ca_cert or cert) else "http"
-        self._gw: list[etcd3gw.Etcd3Client] = []
-        self.endpoints: list[str] = []
-        for scheme, host, port in parse_endpoints(endpoints):
-            scheme = scheme or default_scheme
-            self._gw.append(
-                etcd3gw.Etcd3Client(
-                    host=host,
-                    port=port,
-                    protocol=scheme,
-                    timeout=request_timeout.total_seconds(),
-                    session=self._session,
-                    api_path="/v3/",  # etcd >= 3.4; saves the /version discovery round trip
-                )
-            )
-            shown = f"[{host}]" if ":" in host else host
-            self.endpoints.append(f"{scheme}://{shown}:{port}")
+        context = tls_context(ca_cert, cert, key) if any(s == "https" or (not s and default_scheme == "https")
+                                                          for s, _, _ in parse_endpoints(endpoints)) else None
+        # etcd >= 3.4 serves the gateway at /v3/ (no version discovery round trip).
+        self._gw: list[Gateway] = [Gateway(scheme or default_scheme, host, port, request_timeout, context)
+                                   for scheme, host, port in parse_endpoints(endpoints)]
+        self.endpoints: list[str] = [gw.base_url for gw in self._gw]
         self._current = 0
         self._auth_lock = threading.Lock()
         self._leases: list[Lease] = []
         self._closed = False
 
     # ------------------------------------------------------------ transport
-    def _authenticate(self, gw: etcd3gw.Etcd3Client) -> None:
+    def _set_token(self, token: str | None) -> None:
+        self._token = token
+        for gw in self._gw:
+            gw.set_token(token)
+
+    def _authenticate(self, gw: Gateway) -> None:
         with self._auth_lock:
-            self._session.headers.pop("Authorization", None)
+            self._set_token(None)
             try:
-                resp = gw.post(
-                    gw.get_url("/auth/authenticate"),
-                    json={"name": self._username, "password": self._password},
-                    **self._tls,
-                )
+                resp = gw.post("/auth/authenticate", {"name": self._username, "password": self._password})
             except _RETRYABLE:
                 raise
-            except gw_exc.Etcd3Exception as exc:
+            except TransportError as exc:
                 text = (exc.detail_text or str(exc)).strip()
                 hint = (
                     "etcd's HTTP gateway refuses a client certificate together with a "
@@ -223,12 +203,12 @@ class EtcdClient:
                 raise EtcdAuthError(
                     f"etcd at {gw.base_url} refused user {self._username!r}: {text}; {hint}"
                 ) from None
-            self._session.headers["Authorization"] = resp["token"]
+            self._set_token(resp["token"])
 
     def _call(
         self,
         what: str,
-        fn: Callable[[etcd3gw.Etcd3Client], _T],
+        fn: Callable[[Gateway], _T],
         retry_timeout: timedelta | None = None,
     ) -> _T:
         """Run ``fn`` against an endpoint, failing over and backing off."""
@@ -242,7 +222,7 @@ class EtcdClient:
             idx = self._current
             gw = self._gw[idx]
             try:
-                if self._username and "Authorization" not in self._session.headers:
+                if self._username and self._token is None:
                     self._authenticate(gw)
                 return fn(gw)
             except _RETRYABLE as exc:
@@ -260,13 +240,13 @@ class EtcdClient:
                     raise EtcdUnavailable(self.endpoints, waited, f"{what}: {last}") from None
                 time.sleep(min(delay, max(0.0, budget - waited)))
                 delay = min(delay * 2, 1.0)
-            except gw_exc.Etcd3Exception as exc:
+            except TransportError as exc:
                 text = exc.detail_text or str(exc)
                 auth_problem = any(m in text.lower() for m in _AUTH_MARKERS)
                 if self._username and not reauthed and "token" in text.lower():
                     # Simple tokens expire (default 5 min): log in again once.
                     reauthed = True
-                    self._session.headers.pop("Authorization", None)
+                    self._set_token(None)
                     continue
                 if "lease not found" in text:
                     raise EtcdLeaseExpired(
@@ -285,8 +265,7 @@ class EtcdClient:
 
     def _post(self, path: str, body: dict[str, Any], what: str,
               retry_timeout: timedelta | None = None) -> dict[str, Any]:
-        return self._call(what, lambda gw: gw.post(gw.get_url(path), json=body, **self._tls),
-                          retry_timeout)
+        return self._call(what, lambda gw: gw.post(path, body), retry_timeout)
 
     # ------------------------------------------------------------ health
     def check(self, timeout: timedelta = timedelta(seconds=5)) -> None:
@@ -431,12 +410,13 @@ class EtcdClient:
         return lease
 
     def close(self) -> None:
-        """Stop keep-alive threads (leases then lapse after their TTL) and the session."""
+        """Stop keep-alive threads (leases then lapse after their TTL) and the connections."""
         for lease in self._leases:
             lease.stop_keep_alive()
         self._leases.clear()
         self._closed = True
-        self._session.close()
+        for gw in self._gw:
+            gw.close()
 
     def __enter__(self) -> EtcdClient:
         return self

@@ -189,11 +189,13 @@ class Uploader:
             Doorbell.ring(self.bell)
 
     def close(self, timeout: timedelta) -> None:
-        self.ring.wait_idle(timeout, self.consumer)
+        """Finish the pending writes, waiting at most ``timeout``: past it, a write still
+        running is left to the daemon threads (its version is never committed)."""
+        idle = self.ring.wait_idle(timeout, self.consumer)
         self._stop.set()
         self.ring.wake()
         self._thread.join(timeout.total_seconds())
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=idle)
 
 
 class Committer:

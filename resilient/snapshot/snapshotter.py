@@ -242,13 +242,20 @@ class Snapshotter:
         """Newest step this process committed (rank 0 only; None elsewhere)."""
         return self._committer.committed if self._committer is not None else None
 
-    def close(self, timeout: timedelta = timedelta(minutes=10)) -> None:
+    def close(self, timeout: timedelta = timedelta(minutes=10), commit: bool = True) -> None:
+        """Let captured versions finish writing (up to ``timeout``), then commit them.
+
+        ``commit=False`` is for a rank that is failing: its peers are gone or going, so the
+        versions still pending on rank 0's committer wait for rank manifests that will
+        never come. Waiting for them held a failed worker for seconds (until its agent
+        noticed the lost peer and killed it), which the whole job's recovery paid. The
+        writes still finish: the node store's newest version is what restore reads."""
         if self._closed:
             return
         self._closed = True
         self._uploader.close(timeout)
         if self._committer is not None:
-            self._committer.close(timeout)
+            self._committer.close(timeout if commit else timedelta(0))
 
     def __enter__(self) -> "Snapshotter":
         return self
