@@ -166,6 +166,14 @@ class Config:
         blob = json.dumps(section_to_dict(self.model), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def job_digest(self) -> str:
+        """A hash of what every node of one job must agree on: the model, the layout, the
+        schedule, the data and the SDC checks. Not ``launch`` (a node's own process knobs)
+        nor ``snapshot`` (a node's store address): those may differ per node."""
+        d = self.to_dict()
+        blob = json.dumps({k: d[k] for k in ("model", "parallel", "train", "data", "sdc")}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
     def default_world_size(self) -> int:
         """Processes the layout asks for when launched on one node."""
         p = self.parallel

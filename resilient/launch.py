@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
@@ -60,7 +61,8 @@ def worker_env(nproc: int) -> dict[str, str]:
     return env
 
 
-def prepare_run(args: argparse.Namespace) -> tuple[Config, Path, int, tuple[int, int]]:
+def prepare_run(args: argparse.Namespace) -> tuple[Config, Path, Path, int, tuple[int, int]]:
+    """(config, run dir, the config file this node's workers read, nproc, (min, max) nodes)."""
     from resilient.agent.api import parse_nnodes
 
     cfg = load_config(args.config, args.overrides)
@@ -76,8 +78,48 @@ def prepare_run(args: argparse.Namespace) -> tuple[Config, Path, int, tuple[int,
         raise ConfigError("the layout does not fit every world size this job may take:\n  " + "\n  ".join(bad))
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    return cfg, run_dir, nproc, nnodes
+    return cfg, run_dir, write_config(cfg, run_dir), nproc, nnodes
+
+
+def write_config(cfg: Config, run_dir: Path) -> Path:
+    """Write the resolved config for this node's workers; returns its path.
+
+    Why content-addressed (``config-<hash>.json``) and written by rename: nodes of a
+    job share the run dir here (and on a shared filesystem), and a node's config may
+    differ in node-local fields (its store address). One ``config.json`` rewritten by
+    every agent at start let a node's workers read another node's config, or half of
+    one. ``config.json`` is still written (atomically), for people and tools."""
+    doc = json.dumps(cfg.to_dict(), indent=1)
+    path = run_dir / f"config-{hashlib.sha256(doc.encode()).hexdigest()[:16]}.json"
+    for target in (path, run_dir / "config.json"):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(doc)
+        os.replace(tmp, target)
+    return path
+
+
+def refuse_other_jobs(registry, cfg: Config, ttl: timedelta) -> None:
+    """Raise :class:`ConfigError` when a live node of this run launched another job config.
+
+    Nodes that disagree on the model, layout, schedule, data or SDC checks would train
+    different things in one job: a crash at best (shapes), silently wrong at worst (an
+    lr). A node that just died may still be listed until its lease lapses, so a
+    mismatch is re-checked once after ``ttl`` before refusing (a quick restart of the
+    whole job with a new config must not be refused)."""
+    mine = cfg.job_digest()
+    for attempt in range(2):
+        nodes = registry.alive() or {}
+        other = {n: d.get("job") for n, d in nodes.items()
+                 if n != registry.node_id and d.get("job") not in (None, mine)}
+        if not other:
+            return
+        if attempt == 0:
+            time.sleep(ttl.total_seconds() + 0.5)
+    raise ConfigError(
+        f"node(s) {sorted(other)} of this run were launched with another config (job digest "
+        f"{sorted(set(other.values()))}, this node {mine}): every node of a job must agree on "
+        "[model], [parallel], [train], [data] and [sdc]. Launch this node with the same config "
+        "file and --set overrides as the others, or give it another --run-id.")
 
 
 @contextlib.contextmanager
@@ -160,7 +202,7 @@ def _raise_on_signal(signum, frame):
 
 
 def launch(args: argparse.Namespace) -> int:
-    cfg, run_dir, nproc, (min_nodes, max_nodes) = prepare_run(args)
+    cfg, run_dir, config_path, nproc, (min_nodes, max_nodes) = prepare_run(args)
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
@@ -193,7 +235,8 @@ def launch(args: argparse.Namespace) -> int:
         client = client_from_params(params)
         registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
         Quarantine(client, run_id).refuse_if_quarantined(node, endpoint)
-        registry.register()
+        registry.update(job=cfg.job_digest())
+        refuse_other_jobs(registry, cfg, timedelta(seconds=lc.node_lease_ttl))
         settings = AgentSettings(
             node_id=node, run_dir=str(run_dir), min_nodes=min_nodes, max_nodes=max_nodes,
             nproc_per_node=nproc, spares=nproc if lc.spares < 0 else lc.spares,
@@ -207,7 +250,7 @@ def launch(args: argparse.Namespace) -> int:
             etcd_factory=lambda: client_from_params(params),
             etcd_conf=worker_etcd_conf(_rdzv_conf(args.rdzv_conf)),
             store=store_settings(cfg),
-            worker_argv=["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir), "--node", node],
+            worker_argv=["--config", str(config_path), "--run-dir", str(run_dir), "--node", node],
             worker_env=env,
         )
         spec = WorkerSpec(role="trainer", local_world_size=nproc, rdzv_handler=handler,

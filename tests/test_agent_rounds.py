@@ -62,3 +62,29 @@ def test_agent_stop_says_the_rendezvous_failed(corpus, tmp_path, etcd):
         assert stop["reason"].startswith("rendezvous_failed"), stop
     finally:
         agent.close()
+
+
+def test_a_node_launched_with_another_job_config_is_refused(corpus, tmp_path, etcd):
+    """Two nodes of one run, the second with another learning rate: it stops with a
+    ConfigError naming the other node, before joining; the first node's config file is
+    left as it was (each config is its own content-addressed file)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    first = Agent(DEMO, run, _overrides(corpus, 5), "a", nnodes="2", endpoint=etcd.endpoint, nproc=1)
+    second = None
+    try:
+        wait_for(lambda: any(e["event"] == "agent_start" for e in events(run)), 120, "node a's agent_start")
+        mine = sorted(run.glob("config-*.json"))
+        assert len(mine) == 1
+        before = mine[0].read_text()
+        second = Agent(DEMO, run, _overrides(corpus, 5, **{"train.lr": 0.01}), "b", nnodes="2",
+                       endpoint=etcd.endpoint, nproc=1)
+        assert second.wait(120) != 0
+        out = second.output()
+        assert "error:" in out and "['a']" in out and "another config" in out, out[-2000:]
+        assert mine[0].read_text() == before
+        assert not [e for e in events(run, "agent_start") if e["node"] == "b"]
+    finally:
+        for agent in (first, second):
+            if agent is not None:
+                agent.close()
