@@ -16,6 +16,7 @@ zlib's CRC-32 (``crc32:``) still verify.
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 
@@ -128,7 +129,16 @@ def should_compress(policy: str, dtype: torch.dtype, remote: bool) -> bool:
 # ---------------------------------------------------------------- manifest codec
 
 def manifest_to_json(m: Manifest) -> bytes:
-    doc = {
+    """Compact JSON of ``m``.
+
+    Why the tensor table is assembled from cached fragments instead of one
+    ``json.dumps``: a rank manifest is written every step (the node store) and
+    holds every tensor's chunks (156 for the demo model): building their dicts
+    and encoding them took ~1.3 ms of a worker's CPU per step. Everything but a
+    chunk's object name and checksum repeats from one version to the next, so
+    those parts are encoded once (:func:`_chunk_fixed`, :func:`_tensor_head`).
+    The result parses to exactly what the plain encoding gives (tested)."""
+    head = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "step": m.step,
@@ -138,15 +148,38 @@ def manifest_to_json(m: Manifest) -> bytes:
         "config_digest": m.config_digest,
         "attempt": m.attempt,
         "created": m.created,
-        "tensors": {
-            name: {"shape": list(t.shape), "dtype": t.dtype, "chunks": [c.to_json() for c in t.chunks]}
-            for name, t in m.tensors.items()
-        },
         "values": m.values,
         "ranks": {str(r): {"extra": e} for r, e in sorted(m.rank_extras.items())},
         "extra": m.extra,
     }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    names: dict[str, str] = {}
+
+    def name(s: str) -> str:  # the few object names of a manifest, encoded once each
+        out = names.get(s)
+        if out is None:
+            out = names[s] = json.dumps(s)
+        return out
+
+    tensors = ",".join(
+        _tensor_head(n, tuple(t.shape), t.dtype) + ",".join(
+            '{"object":%s,%s,"checksum":%s}' % (name(c.object), _chunk_fixed(
+                c.offset, c.length, c.raw_length, tuple(c.offsets), tuple(c.sizes), c.compression), name(c.checksum))
+            for c in t.chunks) + "]}"
+        for n, t in m.tensors.items())
+    body = json.dumps(head, separators=(",", ":"), allow_nan=False)
+    return (body[:-1] + ',"tensors":{' + tensors + "}}").encode()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _chunk_fixed(offset: int, length: int, raw_length: int, offsets: tuple, sizes: tuple, compression: str) -> str:
+    return json.dumps({"offset": offset, "length": length, "raw_length": raw_length, "offsets": list(offsets),
+                       "sizes": list(sizes), "compression": compression}, separators=(",", ":"))[1:-1]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _tensor_head(name: str, shape: tuple, dtype: str) -> str:
+    return "%s:%s" % (json.dumps(name), json.dumps({"shape": list(shape), "dtype": dtype}, separators=(",", ":"))[:-1]
+                      + ',"chunks":[')
 
 
 def _need(doc: dict, key: str, types: Any, where: str) -> Any:
