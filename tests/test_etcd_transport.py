@@ -80,3 +80,19 @@ def test_nobody_listening_is_unreachable():
         port = s.getsockname()[1]  # bound, not listening: connections are refused
         with pytest.raises(Unreachable, match="ConnectionRefused"):
             Gateway("http", "127.0.0.1", port, timedelta(seconds=5)).post("/kv/range", {})
+
+
+def test_connections_of_ended_threads_are_closed():
+    """One connection per thread; a thread that ended does not keep its socket open."""
+    srv = OneShotServer()
+    try:
+        gw = Gateway("http", "127.0.0.1", srv.port, timedelta(seconds=5))
+        for _ in range(3):
+            t = threading.Thread(target=gw.post, args=("/kv/range", {}))
+            t.start()
+            t.join()
+        gw.post("/kv/range", {})
+        assert len(gw._all) == 1  # only this thread's
+        gw.close()
+    finally:
+        srv.close()

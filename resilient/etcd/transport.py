@@ -79,7 +79,7 @@ class Gateway:
         self.base_url = f"{scheme}://{shown}:{port}"
         self.headers = {"Content-Type": "application/json"}
         self._local = threading.local()
-        self._all: list[http.client.HTTPConnection] = []
+        self._all: list[tuple[threading.Thread, http.client.HTTPConnection]] = []
         self._lock = threading.Lock()
 
     def set_token(self, token: str | None) -> None:
@@ -100,7 +100,12 @@ class Gateway:
                 conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             self._local.conn = conn
             with self._lock:
-                self._all.append(conn)
+                # Threads that used the client and ended leave their connection: close those.
+                for thread, old in self._all:
+                    if not thread.is_alive():
+                        old.close()
+                self._all = [(t, c) for t, c in self._all if t.is_alive()]
+                self._all.append((threading.current_thread(), conn))
         return conn
 
     def _forget(self) -> None:
@@ -109,8 +114,7 @@ class Gateway:
             conn.close()
             self._local.conn = None
             with self._lock:
-                if conn in self._all:
-                    self._all.remove(conn)
+                self._all = [(t, c) for t, c in self._all if c is not conn]
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         conn = self._connection()
@@ -134,5 +138,5 @@ class Gateway:
     def close(self) -> None:
         with self._lock:
             conns, self._all = self._all, []
-        for c in conns:
+        for _, c in conns:
             c.close()
