@@ -3,10 +3,10 @@
 Why not ``requests`` (and ``etcd3gw`` over it): the snapshot replicator makes
 one or two etcd requests per training step on every node, and agents renew
 leases and heartbeats all run long. Measured here against a local etcd
-(``python /tmp/prof/etcd_cost.py``-style loop of 600 txns): ``requests``
-spent 1.0-1.2 ms of client CPU per request, ``http.client`` on a kept-alive
-connection 0.15-0.25 ms, with etcd's own share unchanged. On a host whose
-cores train, that client CPU is taken from the step.
+(``python bench/etcd_client_cost.py``, 600 requests of each kind): through
+``requests`` the client spent 0.9-1.2 ms of CPU per request, through this
+0.2-0.3 ms (a bare ``http.client`` connection: 0.15-0.2), etcd's own share
+unchanged. On a host whose cores train, that client CPU is taken from the step.
 
 One connection per thread (the client is shared by the agent's threads; an
 HTTP/1.1 connection carries one request at a time). A connection the server

@@ -1,0 +1,65 @@
+"""Client and server CPU per etcd request, as the snapshot replicator makes them (not a row of
+RESULTS.md: the reason resilient/etcd/transport.py exists, reproducible).
+
+    python bench/etcd_client_cost.py
+
+Starts a real etcd on loopback, runs each request kind 600 times after 50 warm-ups and
+prints this process's CPU and etcd's (psutil) per request, for ``EtcdClient`` and for a
+bare ``http.client`` connection (the floor of the JSON gateway from Python).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import time
+
+import psutil
+
+from resilient.etcd.client import EtcdClient
+from resilient.etcd.server import EmbeddedEtcd
+
+N = 600
+
+
+def b64(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
+
+
+def main() -> None:
+    with EmbeddedEtcd() as srv:
+        etcd = psutil.Process(srv.pid)
+        c = EtcdClient(srv.endpoint)
+
+        def run(label, fn):
+            for i in range(50):
+                fn(i)
+            s0, c0, w0 = etcd.cpu_times(), time.process_time(), time.perf_counter()
+            for i in range(N):
+                fn(i)
+            s1, c1, w1 = etcd.cpu_times(), time.process_time(), time.perf_counter()
+            server = (s1.user + s1.system) - (s0.user + s0.system)
+            print(f"{label:28s} client {1e3 * (c1 - c0) / N:.2f} ms CPU, etcd {1e3 * server / N:.2f} ms CPU, "
+                  f"wall {1e3 * (w1 - w0) / N:.2f} ms")
+
+        run("EtcdClient hold txn", lambda i: c.put_and_get_prefix(
+            f"/x/h/{i:012d}/a", "v" * 200, f"/x/h/{i:012d}/", newest_under=["/x/c/local/", "/x/c/memory/"]))
+        run("EtcdClient commit txn", lambda i: c.create_all({f"/x/c/local/{i:012d}": "v" * 300,
+                                                            f"/x/c/memory/{i:012d}": "v" * 300}))
+        run("EtcdClient get", lambda i: c.get("/x/h/000000000001/a"))
+        conn = http.client.HTTPConnection(srv.host, srv.client_port)
+
+        def raw(path: str, body: dict) -> None:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            json.loads(conn.getresponse().read())
+
+        run("bare http.client txn", lambda i: raw("/v3/kv/txn", {"compare": [], "success": [
+            {"request_put": {"key": b64(f"/y/{i}"), "value": b64("v" * 200)}},
+            {"request_range": {"key": b64(f"/y/{i}")}}]}))
+        run("bare http.client get", lambda i: raw("/v3/kv/range", {"key": b64("/y/1")}))
+        c.close()
+
+
+if __name__ == "__main__":
+    main()
