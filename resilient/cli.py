@@ -20,6 +20,10 @@ from resilient.errors import ResilientError
 
 
 def _cmd_launch(argv: list[str]) -> int:
+    from resilient.agent import warm
+
+    if warm.wants_zygote(argv):
+        warm.start_early()  # its torch import overlaps ours (see warm.start_early)
     from resilient import launch
 
     ap = argparse.ArgumentParser(prog="resilient launch", description="Run a training job.")

@@ -48,15 +48,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def worker_env(nproc: int) -> dict[str, str]:
-    """Environment every worker process starts with.
+    """Environment every worker process starts with: :data:`~resilient.agent.warm.BASE_WORKER_ENV`
+    and one intra-op thread per core the node's workers share."""
+    from resilient.agent.warm import BASE_WORKER_ENV
 
-    One intra-op thread per core the node's workers share; a TCP store per
-    attempt (torch 2.13's shared rendezvous store hands restarted workers the
-    previous attempt's addresses); identical workers on every node (the
-    agents assign ranks without a store round trip).
-    """
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = dict(BASE_WORKER_ENV)
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     return env
 

@@ -290,7 +290,8 @@ class Trainer:
         self.restore()
         self.events.emit("run_start", layout=self.layout.as_dict(), start_step=self.step,
                          config_digest=cfg.digest(), params=cfg.model.num_params(),
-                         device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
+                         device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                         threads=torch.get_num_threads())
         self.heartbeat.beat()
         last = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
         while self.step < last and not self.stop_requested:

@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--node", default=None)
     args = ap.parse_args(argv)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        # Forked from a zygote that imported torch before the thread count was known: set it
+        # here, where it is (the OpenMP runtime read its environment at that import).
+        import torch
+
+        torch.set_num_threads(int(threads))
     with open(args.config) as f:
         cfg = config_from_dict(json.load(f), source=args.config)
 

@@ -37,6 +37,10 @@ def test_worker_kill_is_recovered(corpus, tmp_path, etcd):
         wait_for(lambda: any(e["time"] > started[1]["time"] for e in events(run, "step")), 60,
                  "a step after the restart")
         assert len(events(run, "rendezvous")) >= 2
+        # Workers forked from the zygote (started before the config was read) still get the
+        # node's thread count: one intra-op thread per core each worker shares.
+        want = max(1, (os.cpu_count() or 1) // 2) if not os.environ.get("OMP_NUM_THREADS") else int(os.environ["OMP_NUM_THREADS"])
+        assert {e["threads"] for e in events(run, "run_start")} == {want}
     finally:
         agent.close()
 

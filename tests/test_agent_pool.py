@@ -60,3 +60,48 @@ def test_without_spares_workers_are_cold_processes():
         wp.discard()
     finally:
         pool.close()
+
+
+def test_an_early_zygote_is_adopted_and_forks_workers():
+    """warm.start_early (before the agent's imports): the pool adopts that process instead of
+    starting another, and it forks workers like any zygote."""
+    from resilient.agent import warm
+
+    warm.start_early()
+    early_pid = warm._early[0].pid
+    pool = WarmPool(1, {})
+    try:
+        pool.fill()
+        assert pool._zygote.proc.pid == early_pid and warm.take_early() is None
+        _wait_ready(pool)
+        wp, _ = pool.take()
+        wp.assign({"OMP_NUM_THREADS": "1"}, ["--no-such-flag"])
+        assert wp.wait(timedelta(seconds=60)) == 2
+    finally:
+        pool.close()
+
+
+def test_an_early_zygote_is_killed_when_the_agent_keeps_no_spares():
+    from resilient.agent import warm
+
+    warm.start_early()
+    proc = warm._early[0]
+    pool = WarmPool(0, {})
+    try:
+        pool.fill(1)
+        assert proc.poll() is not None and warm.take_early() is None
+    finally:
+        pool.close()
+
+
+def test_wants_zygote_reads_spares_from_the_config_and_the_overrides(tmp_path):
+    from resilient.agent.warm import wants_zygote
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[launch]\nspares = 0\n")
+    assert not wants_zygote([str(cfg)])
+    assert wants_zygote([str(cfg), "--set", "launch.spares=2"])
+    cfg.write_text("[model]\ndim = 8\n")
+    assert wants_zygote([str(cfg), "--run-dir", "x"])
+    assert not wants_zygote([str(cfg), "--set=launch.spares=0"])
+    assert not wants_zygote([str(tmp_path / "missing.toml")])  # unclear: no early zygote

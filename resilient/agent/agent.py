@@ -175,6 +175,9 @@ class ResilientAgent(SimpleElasticAgent):
         spec = wg.spec
         restarts = spec.max_restarts - self._remaining_restarts
         return {
+            # The whole worker environment, not only what differs per worker: a zygote started
+            # before the config was read (warm.start_early) lacks the thread count.
+            **self.settings.worker_env,
             "LOCAL_RANK": str(worker.local_rank), "RANK": str(worker.global_rank),
             "GROUP_RANK": str(wg.group_rank), "ROLE_RANK": str(worker.role_rank),
             "ROLE_NAME": spec.role, "LOCAL_WORLD_SIZE": str(spec.local_world_size),

@@ -26,6 +26,7 @@ import time
 from datetime import timedelta
 
 from resilient.agent.api import AgentError
+from resilient.agent.warm import spawn_zygote, take_early
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +91,9 @@ class Zygote:
     zygote's children, so their exit codes come from it, not from waitpid here.
     """
 
-    def __init__(self, env: dict[str, str]):
-        r, w = os.pipe()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "resilient.agent.warm", "--zygote", str(w)],
-                stdin=subprocess.PIPE, pass_fds=(w,),
-                env={**os.environ, **env, "RESILIENT_PARENT_PID": str(os.getpid())},
-                process_group=0)
-        finally:
-            os.close(w)
+    def __init__(self, env: dict[str, str], started: tuple[subprocess.Popen, int] | None = None):
+        """``started``: a zygote already running (:func:`~.warm.start_early`), else a new one."""
+        self.proc, r = started if started is not None else spawn_zygote(env)
         self._cv = threading.Condition()
         self.ready = False
         self.dead = False
@@ -216,6 +210,17 @@ class ForkedWorker:
         self.kill()
 
 
+def discard_early(early: tuple[subprocess.Popen, int]) -> None:
+    """Kill an early zygote nobody will use (it may still be importing: no waiting for it)."""
+    proc, status = early
+    proc.kill()
+    proc.wait()
+    for f in (proc.stdin,):
+        if f is not None:
+            f.close()
+    os.close(status)
+
+
 class WarmPool:
     """Warm processes for workers. Thread-safe.
 
@@ -244,8 +249,15 @@ class WarmPool:
                     if self._zygote is not None:
                         log.warning("the warm zygote (pid %d) died; starting another", self._zygote.proc.pid)
                         self._zygote.close()
-                    self._zygote = Zygote(self.env)
+                    early = take_early()
+                    if early is not None and early[0].poll() is not None:
+                        discard_early(early)
+                        early = None
+                    self._zygote = Zygote(self.env, early)
                 return
+            early = take_early()  # no spares after all: the early zygote is not needed
+            if early is not None:
+                discard_early(early)
             while len(self._idle) < at_least:
                 self._idle.append(WorkerProcess(self.env))
 

@@ -22,9 +22,74 @@ import ctypes
 import json
 import os
 import signal
+import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
+
+# What every worker's environment holds whatever the node's size (resilient.launch adds the
+# thread count): a TCP store per attempt (torch 2.13's shared rendezvous store hands restarted
+# workers the previous attempt's addresses), identical workers on every node (ranks without a
+# store round trip), unbuffered output.
+BASE_WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1",
+                   "PYTHONUNBUFFERED": "1"}
+
+
+def spawn_zygote(env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    """Start ``python -m resilient.agent.warm --zygote FD`` in its own process group; returns
+    it and the read end of its status pipe (see :class:`resilient.agent.pool.Zygote`)."""
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "resilient.agent.warm", "--zygote", str(w)],
+                                stdin=subprocess.PIPE, pass_fds=(w,),
+                                env={**os.environ, **env, "RESILIENT_PARENT_PID": str(os.getpid())},
+                                process_group=0)
+    finally:
+        os.close(w)
+    return proc, r
+
+
+_early: tuple[subprocess.Popen, int] | None = None
+
+
+def start_early() -> None:
+    """Start this agent's zygote now, before the agent's own imports.
+
+    Why: a new node's agent imports torch (~2-3 s) and only then started its zygote,
+    which imports torch again (~2.5 s) before the node can join: a cold replacement
+    node paid both, one after the other. Started first, the two imports overlap. The
+    zygote's environment lacks the thread count (it depends on the config, not read
+    yet): every assignment carries the full worker environment and the worker sets
+    its threads from it (:func:`resilient.worker.main`)."""
+    global _early
+    if _early is None:
+        _early = spawn_zygote(BASE_WORKER_ENV)
+
+
+def take_early() -> tuple[subprocess.Popen, int] | None:
+    """The zygote :func:`start_early` started (once; None if none)."""
+    global _early
+    early, _early = _early, None
+    return early
+
+
+def wants_zygote(argv: list[str]) -> bool:
+    """Will ``resilient launch ARGV`` keep spares (so a zygote)? Read from the TOML and the
+    ``--set launch.spares=N`` overrides without importing the config code (which imports
+    torch); anything unclear says no, and the agent starts its zygote later as before."""
+    import tomllib
+
+    try:
+        config = next(a for a in argv if not a.startswith("-"))
+        with open(config, "rb") as f:
+            spares = tomllib.load(f).get("launch", {}).get("spares", -1)
+        sets = [b for a, b in zip(argv, argv[1:]) if a == "--set"] + [a[6:] for a in argv if a.startswith("--set=")]
+        for s in sets:
+            if s.replace(" ", "").startswith("launch.spares="):
+                spares = int(s.split("=", 1)[1])
+        return int(spares) != 0
+    except (StopIteration, OSError, ValueError, TypeError, tomllib.TOMLDecodeError):
+        return False
 
 
 def die_with_parent() -> None:
