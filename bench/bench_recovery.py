@@ -41,21 +41,30 @@ def start(kind: str, run_dir: Path, extra: dict) -> Job:
     return Job(cmd, run_dir)
 
 
-def run(quick: bool) -> dict:
-    kills, rounds = (1, 1) if quick else (3, 2)
-    root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+LABELS = {"resilient_ram": "resilient, warm spares, RAM restore", "torchrun": "torchrun restart + durable restore",
+          "resilient_durable": "resilient, warm spares, durable restore"}
+
+
+def measure(names: dict[str, tuple[str, dict]], rounds: int, kills: int, prefix: str,
+            sets: dict | None = None) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Per variant name: every kill's result (:func:`common.kill_worker`), and the commands."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     got: dict[str, list[dict]] = {}
     cmds = {}
     try:
         for i in range(rounds):
-            for name, (kind, extra) in variants(quick).items():
-                with start(kind, root / f"{name}-{i}", extra) as job:
+            for name, (kind, extra) in names.items():
+                with start(kind, root / f"{name}-{i}", {**(sets or {}), **extra}) as job:
                     cmds[name] = shown(job.cmd)
                     got.setdefault(name, []).extend(kill_series(job, kills, spares=2 if kind == "launch" else 0))
     finally:
         drop_dir(root)
-    labels = {"resilient_ram": "resilient, warm spares, RAM restore", "torchrun": "torchrun restart + durable restore",
-              "resilient_durable": "resilient, warm spares, durable restore"}
+    return got, cmds
+
+
+def summarize(got: dict[str, list[dict]], suffix: str = "") -> tuple[dict, dict]:
+    """Figures (recovery and its parts, steps redone) and torchrun / ours ratios."""
+    labels = {n: LABELS[n] + suffix for n in got}
     figures = {}
     for name, rs in got.items():
         figures[name] = fig([r["recovery_s"] for r in rs], "s", labels[name], 3)
@@ -67,6 +76,13 @@ def run(quick: bool) -> dict:
         figures[f"{name}_lost_steps"] = fig([r["lost_steps"] for r in rs], "steps", f"{labels[name]}: steps redone", 1)
     ratios = {f"torchrun_over_{n}": ratio(figures["torchrun"], figures[n], f"torchrun / {labels[n]} (x faster)", "higher")
               for n in got if n != "torchrun"}
+    return figures, ratios
+
+
+def run(quick: bool) -> dict:
+    kills, rounds = (1, 1) if quick else (3, 2)
+    got, cmds = measure(variants(quick), rounds, kills, "bench-recovery-")
+    figures, ratios = summarize(got)
     res = figures["resilient_ram"]["median"]
     x = ratios["torchrun_over_resilient_ram"]["value"]
     goals = [goal("recovery about 1 s on the demo model", res is not None and res <= 1.5, f"median {res} s"),
