@@ -186,7 +186,7 @@ def init_parameters(model: GPT, seed: int) -> None:
 
     For a DTensor parameter the full value is drawn (one tensor at a time, so
     host memory holds one tensor) and this rank copies in the slice its shard
-    covers. Also rebuilds the rotary tables, which ``to_empty`` left garbage.
+    covers. Also rebuilds the rotary tables (:func:`init_buffers`).
     """
     for name, p in model.named_parameters():
         value = initial_value(model.cfg, seed, name, p.shape)
@@ -196,6 +196,12 @@ def init_parameters(model: GPT, seed: int) -> None:
             p.to_local().copy_(value[region])
         else:
             p.copy_(value)
+    init_buffers(model)
+
+
+def init_buffers(model: GPT) -> None:
+    """Rebuild the rotary tables, which ``to_empty`` left garbage (they are in no state dict:
+    a restore does not bring them)."""
     cos, sin = rope_tables(model.cfg.head_dim, model.cfg.max_seq_len, model.cfg.rope_theta)
     model.rope_cos = cos.to(model.rope_cos.device)
     model.rope_sin = sin.to(model.rope_sin.device)

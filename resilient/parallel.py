@@ -24,7 +24,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from resilient.config import Config
-from resilient.model import GPT, cross_entropy, init_parameters
+from resilient.model import GPT, cross_entropy, init_buffers, init_parameters
 
 SCHEDULES = {
     "1f1b": "Schedule1F1B",
@@ -176,8 +176,14 @@ class ParallelModel:
             return torch.stack(losses).mean() if self.has_last_stage else None
 
 
-def build_model(cfg: Config, layout: Layout, device: torch.device, compute_dtype: torch.dtype) -> ParallelModel:
-    """This rank's stages of the GPT, parallelized and initialized."""
+def build_model(cfg: Config, layout: Layout, device: torch.device, compute_dtype: torch.dtype,
+                init: bool = True) -> ParallelModel:
+    """This rank's stages of the GPT, parallelized and initialized.
+
+    ``init=False``: the parameters are left as allocated (garbage) for a caller that
+    restores them next and initializes only when there is nothing to restore
+    (:meth:`resilient.train.Trainer.restore`): drawing the initial values costs O(params)
+    per rank, every worker start, and a restore overwrites them."""
     from torch.distributed import pipelining
 
     mesh = layout.mesh
@@ -195,7 +201,10 @@ def build_model(cfg: Config, layout: Layout, device: torch.device, compute_dtype
         if layout.dp > 1:
             _apply_fsdp(model, mesh["dp"], cfg, compute_dtype)
         model.to_empty(device=device)
-        init_parameters(model, cfg.train.seed)
+        if init:
+            init_parameters(model, cfg.train.seed)
+        else:
+            init_buffers(model)
         parts.append(model)
 
     # Without FSDP there is no mixed-precision policy: autocast gives bf16

@@ -102,7 +102,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.layout = build_layout(cfg, self.device.type)
         self.dtype = compute_dtype(cfg, self.device)
-        self.model = build_model(cfg, self.layout, self.device, self.dtype)
+        # Initialized in restore(), only when there is nothing to restore.
+        self.model = build_model(cfg, self.layout, self.device, self.dtype, init=False)
         self.optimizer = Optimizers(self.model.parts, cfg.train)
         corpus_path = ensure_corpus(cfg.data.path, cfg.data.source, cfg.data.max_bytes) if self.rank == 0 else None
         dist.barrier()  # rank 0 may have just built the corpus
@@ -263,9 +264,14 @@ class Trainer:
         self.sdc.note_restored(self.step)
 
     def restore(self) -> None:
+        """Restore the newest version, or initialize the parameters from the seed on a fresh
+        run (the model was built uninitialized: see :func:`~resilient.parallel.build_model`)."""
         t0 = time.perf_counter()
         restored = self.state.restore()
-        if restored is not None:
+        if restored is None:
+            for part in self.model.parts:
+                init_parameters(part, self.cfg.train.seed)
+        else:
             self.step = restored.step
             if self.progress:
                 self.progress.message(f"restored step {restored.step} from {restored.url} "
