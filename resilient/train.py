@@ -77,6 +77,18 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if d == "bf16" else torch.float32
 
 
+class _Marks:
+    """Seconds since the previous mark, per phase name, into ``out``."""
+
+    def __init__(self, out: dict[str, float]):
+        self.out, self.last = out, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.out[phase] = round(now - self.last, 4)
+        self.last = now
+
+
 def param_digest(pm: ParallelModel) -> str:
     """SHA-256 of this rank's local parameter bytes, in name order: equal
     digests on every rank of two runs of one layout = bitwise-equal models."""
@@ -94,10 +106,14 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, node: str | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        # Where a worker's start goes (run_start's ``startup``): a restart's recovery waits for it.
+        self.startup: dict[str, float] = {}
+        mark = _Marks(self.startup)
         self.device, backend = pick_device(cfg)
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=DIST_TIMEOUT)
         self.rank = dist.get_rank()
+        mark("process_group")
         self.events = EventLog(self.run_dir / "events.jsonl", node=node, rank=self.rank)
         torch.manual_seed(cfg.train.seed)
         self.layout = build_layout(cfg, self.device.type)
@@ -105,11 +121,13 @@ class Trainer:
         # Initialized in restore(), only when there is nothing to restore.
         self.model = build_model(cfg, self.layout, self.device, self.dtype, init=False)
         self.optimizer = Optimizers(self.model.parts, cfg.train)
+        mark("model")
         corpus_path = ensure_corpus(cfg.data.path, cfg.data.source, cfg.data.max_bytes) if self.rank == 0 else None
         dist.barrier()  # rank 0 may have just built the corpus
         self.corpus = TokenCorpus(corpus_path or Path(cfg.data.path).expanduser(), cfg.train.seq_len,
                                   cfg.train.seed, cfg.data.val_fraction)
         self.corpus.check_vocab(cfg.model.vocab_size, cfg.source)
+        mark("data")
         self.sdc = self._build_sdc()
         self.flips = [BitFlipInjector(FlipSpec.from_dict(dict(d)), self.rank,
                                       log=lambda rec: self.events.emit("fault_injected", **rec),
@@ -122,7 +140,9 @@ class Trainer:
                     raise SdcError(f"sdc.inject: no module {flip.spec.tensor!r} on rank {self.rank} for an activation flip")
                 flip.attach(part)
         self.heartbeat = HeartbeatWriter.from_env()
+        mark("sdc")
         self.state = TrainState(cfg, self.run_dir, self.model, self.optimizer, self.events)
+        mark("snapshots")  # the optimizer's state and the snapshot writers
         # Completed steps; the next step to run is self.step + 1 and its first
         # global sample is self.step × global_batch (the data position).
         self.step = 0
@@ -271,7 +291,8 @@ class Trainer:
         if restored is None:
             for part in self.model.parts:
                 init_parameters(part, self.cfg.train.seed)
-        else:
+        self.startup["restore" if restored is not None else "init"] = round(time.perf_counter() - t0, 4)
+        if restored is not None:
             self.step = restored.step
             if self.progress:
                 self.progress.message(f"restored step {restored.step} from {restored.url} "
@@ -297,7 +318,7 @@ class Trainer:
         self.events.emit("run_start", layout=self.layout.as_dict(), start_step=self.step,
                          config_digest=cfg.digest(), params=cfg.model.num_params(),
                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                         threads=torch.get_num_threads())
+                         threads=torch.get_num_threads(), startup=self.startup)
         self.heartbeat.beat()
         last = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
         while self.step < last and not self.stop_requested:
