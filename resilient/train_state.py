@@ -33,6 +33,7 @@ from resilient.events import EventLog
 from resilient.optim import Optimizers
 from resilient.parallel import ParallelModel
 from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter, rng_state, set_rng_state
+from resilient.snapshot.flatten import iter_leaves
 from resilient.snapshot.restore import restore_candidates
 from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
 
@@ -87,6 +88,10 @@ def init_optimizer_state(model: ParallelModel, optimizers: Optimizers) -> None:
         for state in opt.state.values():
             if "step" in state:
                 state["step"].zero_()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class TrainState:
@@ -168,14 +173,8 @@ class TrainState:
             restored = self._restore_tiered(state, max_step, arena)
         if restored is None:
             return None
-        for part, opt in zip(self.model.parts, self.optimizer.optimizers):
-            names = {n for n, _ in part.named_parameters()}
-            groups = get_state_dict(part, opt)[1]["param_groups"]
-            set_state_dict(part, opt,
-                           model_state_dict={k: v for k, v in state["model"].items() if k in names},
-                           optim_state_dict={"state": {k: v for k, v in state["optim"].items() if k in names},
-                                             "param_groups": groups})
-        self._state = None  # set_state_dict may have replaced optimizer state tensors
+        if not self._restored_in_place(state):
+            self._load(state)
         if restored.extra is not None:
             set_rng_state(restored.extra["rng"])
         # The restored version exists already: saving it again at the end (a run restored at
@@ -184,6 +183,34 @@ class TrainState:
         if not restored.url.startswith("memory://"):
             self.durable_step = restored.step
         return restored
+
+    def _restored_in_place(self, state: dict) -> bool:
+        """Is every leaf of ``state`` a view of the model's or the optimizer's own storage?
+        Then the restore, which copies into the leaves in place, already loaded everything.
+
+        Why ask: torch's ``set_state_dict`` copies the parameters again and rebuilds the
+        optimizer's state as new tensors (a copy of all of it, and every plan cached by
+        those tensors starts over), on every restart. It is still used when a leaf is not
+        the live storage (a non-tensor leaf, or a layout where the state dict holds copies)."""
+        live = set()
+        for part in self.model.parts:
+            live.update(_local(p).data_ptr() for p in part.parameters())
+        for opt in self.optimizer.optimizers:
+            for st in opt.state.values():
+                live.update(_local(v).data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+        leaves = [v for section in (state["model"], state["optim"]) for _, v, _, _ in iter_leaves(section)]
+        return all(isinstance(v, torch.Tensor) and (v.numel() == 0 or _local(v).data_ptr() in live) for v in leaves)
+
+    def _load(self, state: dict) -> None:
+        """Load ``state`` into the model and the optimizers with torch's ``set_state_dict``."""
+        for part, opt in zip(self.model.parts, self.optimizer.optimizers):
+            names = {n for n, _ in part.named_parameters()}
+            groups = get_state_dict(part, opt)[1]["param_groups"]
+            set_state_dict(part, opt,
+                           model_state_dict={k: v for k, v in state["model"].items() if k in names},
+                           optim_state_dict={"state": {k: v for k, v in state["optim"].items() if k in names},
+                                             "param_groups": groups})
+        self._state = None  # set_state_dict may have replaced optimizer state tensors
 
     def _restore_tiered(self, state: dict, max_step: int | None = None,
                         arena: torch.Tensor | None = None) -> Restored | None:
