@@ -292,6 +292,7 @@ class Trainer:
             for part in self.model.parts:
                 init_parameters(part, self.cfg.train.seed)
         self.startup["restore" if restored is not None else "init"] = round(time.perf_counter() - t0, 4)
+        self.startup.update({f"restore.{k}": v for k, v in self.state.timings.items()})
         if restored is not None:
             self.step = restored.step
             if self.progress:

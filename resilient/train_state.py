@@ -22,6 +22,7 @@ restore tries local RAM, peer RAM, then durable
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -104,6 +105,7 @@ class TrainState:
         init_optimizer_state(model, optimizer)
         self._state: dict | None = None
         self._state_key: tuple = ()
+        self.timings: dict[str, float] = {}  # seconds of the last restore's parts (run_start's startup)
         snap = cfg.snapshot
         self.last_saved = -1
         self.durable_step = -1  # newest step captured for (or restored from) the durable tier
@@ -159,22 +161,26 @@ class TrainState:
         layout. Returns None on a fresh run."""
         if self.durable is None or not self.cfg.snapshot.resume:
             return None
+        t0 = time.perf_counter()
         state = self.state()
         # Allocate the capture buffers now rather than in the first saves (on a GPU they are
         # pinned, which costs seconds per GB-scale slot), and stage the restore into one.
         writer = self.memory if self.memory is not None else (
             self.durable if self.cfg.snapshot.durable_every or self.cfg.snapshot.durable_seconds else None)
         if writer is not None:
-            writer.prepare(state)
+            writer.prepare(state, background=True)
         arena = writer.staging() if writer is not None else None
+        self.timings["prepare_buffers"] = round(time.perf_counter() - t0, 4)
         if self.store is None and max_step is None:
             restored = self.durable.restore(state)
         else:
             restored = self._restore_tiered(state, max_step, arena)
         if restored is None:
             return None
+        t1 = time.perf_counter()
         if not self._restored_in_place(state):
             self._load(state)
+        self.timings["load"] = round(time.perf_counter() - t1, 4)
         if restored.extra is not None:
             set_rng_state(restored.extra["rng"])
         # The restored version exists already: saving it again at the end (a run restored at

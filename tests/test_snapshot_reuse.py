@@ -90,3 +90,39 @@ def test_sharing_needs_share_with(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_buffers_prepared_in_the_background_are_waited_for(monkeypatch):
+    """preallocate(background=True): the first buffer (a restore's staging) now, the others on
+    a thread; a capture that finds every other slot still being prepared waits for one."""
+    import threading
+
+    from resilient.snapshot import capture
+
+    gate = threading.Event()
+    real = capture.SlotRing._allocate
+
+    def slow(slot, plan, pin):  # the background allocations wait for the test's go
+        if threading.current_thread().name == "snapshot-prepare":
+            assert gate.wait(30)
+        real(slot, plan, pin)
+
+    monkeypatch.setattr(capture.SlotRing, "_allocate", staticmethod(slow))
+    tensors = {"w": torch.arange(12.0).reshape(3, 4)}
+    plan = capture.build_plan(tensors, None, 1 << 20, 1 << 20)
+    ring = capture.SlotRing(2)
+    ring.preallocate(plan, pin=False, background=True)
+    assert [s.state for s in ring._slots] == ["free", "preparing"]
+    assert ring.staging() is not None
+    first, skipped = ring.acquire(plan, pin=False)  # the ready slot
+    ring.publish(first, {"x"})
+    assert ring.take("x", timedelta(seconds=1)) is first  # a writer is busy with it
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ring.acquire(plan, pin=False)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not got, "the capture must wait for the slot being prepared"
+    gate.set()
+    waiter.join(30)
+    (second, skipped), = got
+    assert second is not first and skipped is None and second.buffer.numel() >= plan.total_bytes

@@ -198,16 +198,18 @@ class Snapshotter:
                  coalesced=skipped)
         return True
 
-    def prepare(self, state: dict) -> None:
-        """Optional, before training: plan and allocate (and fault in) both host buffers,
-        so the first :meth:`save` costs only its copy. Collective like :meth:`save`."""
+    def prepare(self, state: dict, background: bool = False) -> None:
+        """Optional, before training: plan and allocate (and fault in) the host buffers,
+        so the first :meth:`save` costs only its copy. Collective like :meth:`save`.
+        ``background``: only the buffer a restore stages into now, the others on a thread
+        (:meth:`SlotRing.preallocate`)."""
         tensors, values = split_state(state)
         self._agree(tensors, values)
         self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
         self._sig = (state_signature(tensors), tuple(values))
         self._held = list(tensors.values())
         self._pin = _wants_pinned(tensors)
-        self._ring.preallocate(self._plan, self._pin)
+        self._ring.preallocate(self._plan, self._pin, background)
 
     def fence(self) -> None:
         """On CUDA with ``overlap=True``: order later kernels after the capture copies."""
