@@ -1,4 +1,5 @@
-"""Killing a process and everything it started, for launchers, harnesses and tests.
+"""Killing a process and everything it started, for launchers, harnesses and tests;
+and owner files, which let the next process reclaim what a killed one left behind.
 
 A process group is not enough: torch's elastic agent starts each worker in a
 session of its own, and resilient's warm workers run in their own process
@@ -9,12 +10,35 @@ descendants first, then kills the group and each descendant, and reaps them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 from datetime import timedelta
 
 import psutil
+
+
+OWNER = "owner.json"
+
+
+def owner_record(**extra) -> str:
+    """This process as an owner file's content: its pid and when it started (a pid alone
+    can be reused by another process)."""
+    me = psutil.Process()
+    return json.dumps({"pid": me.pid, "pid_started": me.create_time(), **extra})
+
+
+def owner_alive(directory: str | os.PathLike) -> bool:
+    """Is the process named by ``directory/owner.json`` still running? False when the file
+    is missing or unreadable, or the pid now belongs to another process."""
+    try:
+        with open(os.path.join(directory, OWNER)) as f:
+            info = json.load(f)
+        proc = psutil.Process(int(info["pid"]))
+        return abs(proc.create_time() - float(info["pid_started"])) < 1.0
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return False
 
 
 def kill_tree(proc: subprocess.Popen, timeout: timedelta = timedelta(seconds=10)) -> None:

@@ -110,3 +110,25 @@ def test_tls_with_client_certificates(tmp_path):
         with EtcdClient(server.endpoint, cert=cert, key=key, retry_timeout=timedelta(seconds=30)) as c:
             with pytest.raises(EtcdAuthError, match="ca_cert"):
                 c.get("/tls/k")
+
+
+def test_data_dirs_of_dead_owners_are_reclaimed(tmp_path):
+    """A process killed with -9 leaves its embedded etcd's data dir; the next one removes it
+    (owner dead), never a live owner's dir, never a dir without an owner file."""
+    import json
+    import subprocess
+    import sys
+
+    from resilient.etcd.server import DIR_PREFIX, reclaim_data_dirs
+    from resilient.procs import OWNER, owner_record
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live, bare = (tmp_path / f"{DIR_PREFIX}{n}" for n in ("dead", "live", "bare"))
+    for d in (dead, live, bare):
+        (d / "data").mkdir(parents=True)
+    (dead / OWNER).write_text(json.dumps({"pid": int(gone.stdout), "pid_started": 0.0}))
+    (live / OWNER).write_text(owner_record())
+    assert reclaim_data_dirs(tmp_path) == [str(dead)]
+    assert not dead.exists() and live.exists() and bare.exists()
+    with embedded_etcd() as server:
+        assert (server._root / OWNER).is_file()

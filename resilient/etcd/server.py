@@ -34,10 +34,29 @@ import requests
 
 from resilient.etcd.api import EtcdError, EtcdNotFound
 from resilient.etcd.client import EtcdClient
+from resilient.procs import OWNER, owner_alive, owner_record
 
 __all__ = ["EmbeddedEtcd", "find_etcd", "free_port"]
 
 _LIVE: "weakref.WeakSet[EmbeddedEtcd]" = weakref.WeakSet()
+
+
+DIR_PREFIX = "resilient-etcd-"
+
+
+def reclaim_data_dirs(base: str | os.PathLike | None = None) -> list[str]:
+    """Remove the temporary data dirs of embedded etcds whose owner process is dead.
+
+    Why: a process killed with SIGKILL (a preempted node's agent, a test's kill -9 of a
+    whole job) runs no cleanup; its etcd dies with it (``--pdeathsig``) but the data dir
+    stays in the temp dir. The next embedded etcd on the machine removes those. A dir
+    without an owner file is left alone (being created, or not ours to judge)."""
+    removed = []
+    for root in Path(base or tempfile.gettempdir()).glob(DIR_PREFIX + "*"):
+        if (root / OWNER).is_file() and not owner_alive(root):
+            shutil.rmtree(root, ignore_errors=True)
+            removed.append(str(root))
+    return removed
 
 
 def find_etcd(binary: str | os.PathLike[str] | None = None) -> str:
@@ -106,7 +125,12 @@ class EmbeddedEtcd:
         self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
         self.scheme = "https" if cert_file else "http"
         self._own_dir = data_dir is None
-        self._root = Path(tempfile.mkdtemp(prefix="resilient-etcd-")) if data_dir is None else Path(data_dir)
+        if self._own_dir:
+            reclaim_data_dirs()
+            self._root = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
+            (self._root / OWNER).write_text(owner_record())
+        else:
+            self._root = Path(data_dir)
         self.data_dir = self._root / "data" if self._own_dir else self._root
         self.log_path = (self._root / "etcd.log") if self._own_dir else self._root.with_suffix(".log")
         _LIVE.add(self)  # atexit stops it and removes the temp dir even if never closed

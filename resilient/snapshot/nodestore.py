@@ -37,12 +37,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 
 from resilient.snapshot.api import SnapshotIncomplete, StorageError
+from resilient.procs import OWNER, owner_alive, owner_record
 from resilient.snapshot.format import crc, parse_version_dir, version_dir
 
-OWNER = "owner.json"
 SPARES = ".spare"  # retired data files, rewritten in place by the next writers (see Spares)
 BELL = ".bell"     # the agent's doorbell socket: a rank rings it when a version landed (see Doorbell)
 COMMITTED = "committed.json"  # {"local": step, "peer": step}: the agent's newest commits, for progress lines
@@ -69,15 +68,6 @@ def rank_of(rel: str) -> int:
     return int(m.group(1))
 
 
-def _owner_alive(path: Path) -> bool:
-    try:
-        info = json.loads((path / OWNER).read_text())
-        proc = psutil.Process(int(info["pid"]))
-        return abs(proc.create_time() - float(info["pid_started"])) < 1.0
-    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
-        return False
-
-
 def reclaim_any(base: str | os.PathLike) -> list[str]:
     """Remove node trees of *any* job under ``base`` whose owner (``owner.json``) is dead:
     jobs that never restart on this machine (a finished test, a cancelled run) must not
@@ -100,7 +90,7 @@ def reclaim(base: str | os.PathLike, run_id: str, owned_only: bool = False) -> l
             continue  # a tree being created (see NodeStore.create)
         if owned_only and not (tree / OWNER).exists():
             continue
-        if tree.is_dir() and not _owner_alive(tree):
+        if tree.is_dir() and not owner_alive(tree):
             shutil.rmtree(tree, ignore_errors=True)
             removed.append(tree.name)
     try:
@@ -139,17 +129,16 @@ class NodeStore:
             reclaim_any(self.base)  # other jobs' agents killed with -9 on this machine
         except OSError:
             pass
-        if self.path.exists() and _owner_alive(self.path):
+        if self.path.exists() and owner_alive(self.path):
             raise StorageError(f"{self.path}: another live agent owns node {self.node!r} of run "
                                f"{self.run_id!r}; give this node another --node-id", str(self.path))
         shutil.rmtree(self.path, ignore_errors=True)
         # Born with its owner file: built under a hidden name, then renamed into
         # place, so an agent starting at the same moment never sees our tree
         # without an owner and reclaims it as dead.
-        me = psutil.Process()
-        tmp = self.path.parent / f".{self.node}.creating-{me.pid}"
+        tmp = self.path.parent / f".{self.node}.creating-{os.getpid()}"
         tmp.mkdir(parents=True, mode=0o700, exist_ok=True)
-        (tmp / OWNER).write_text(json.dumps({"pid": me.pid, "pid_started": me.create_time(), "node": self.node}))
+        (tmp / OWNER).write_text(owner_record(node=self.node))
         os.rename(tmp, self.path)
         return reclaimed
 
