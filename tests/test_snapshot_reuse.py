@@ -69,14 +69,17 @@ def test_one_capture_feeds_two_tiers(tmp_path):
     finally:
         ram.close()
         durable.close()
-    # Durable holds only steps it was due at (a writer behind the captures skips to the newest).
+    # Durable holds steps it was due at, or, when it fell behind the captures, a newer one
+    # its pending version was coalesced into (it skips to the newest, never loses its turn:
+    # on a loaded host step 5 can replace step 3). Never one before its first due step.
     steps = SnapshotReader(f"file://{tmp_path}/durable").complete_steps()
-    assert set(steps) <= {3, 6, 9} and steps[-1] == 9
-    for url, step in ((f"file://{tmp_path}/durable", 9), (f"file://{tmp_path}/ram", 9)):
+    assert steps and min(steps) >= 3 and steps[-1] == 9
+    for url, got in ((f"file://{tmp_path}/durable", steps), (f"file://{tmp_path}/ram", [9])):
         r = SnapshotReader(url)
-        m = r.manifest(step)
-        assert torch.equal(r.read_region(m, "w"), torch.full((64, 8), float(step)))
-        assert m.values["n"] == step
+        for step in got:  # every version is whole and of its own step
+            m = r.manifest(step)
+            assert torch.equal(r.read_region(m, "w"), torch.full((64, 8), float(step)))
+            assert m.values["n"] == step
 
 
 def test_sharing_needs_share_with(tmp_path):
