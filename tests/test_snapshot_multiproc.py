@@ -74,7 +74,8 @@ def worker(rank: int, world: int, store: str, url: str, phase: str) -> None:
             mesh1 = init_device_mesh("cpu", (4,))
             pl1 = {"w": [Shard(1)], "v": [Replicate()], "r": [Shard(0)], "s": [Shard(1)]}
             target = zero_state(build_state(mesh1, pl1, rank))
-            got = Snapshotter(url, layout={"dp": 4}).restore(target)
+            with Snapshotter(url, layout={"dp": 4}) as reader:  # closed: no writer threads left at exit
+                got = reader.restore(target)
             assert got.step == 7 and got.extra == {"rank": rank} and got.global_extra == {"sample": 70}
             assert got.resharded
             check(target, rank)
@@ -83,7 +84,8 @@ def worker(rank: int, world: int, store: str, url: str, phase: str) -> None:
             pl = {"w": [Replicate(), Shard(0)], "v": [Shard(0), Shard(0)], "r": [Replicate(), Shard(1)],
                   "s": [Shard(1), Shard(0)]}
             target = zero_state(build_state(mesh, pl, rank))
-            got = Snapshotter(url).restore(target)
+            with Snapshotter(url) as reader:  # closed: no writer threads left at exit (one aborted there once)
+                got = reader.restore(target)
             assert got.step == 7 and got.world == 4 and got.rank_extras[3] == {"rank": 3}
             check(target, rank)
     finally:
