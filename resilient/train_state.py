@@ -34,6 +34,7 @@ from resilient.events import EventLog
 from resilient.optim import Optimizers
 from resilient.parallel import ParallelModel
 from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter, rng_state, set_rng_state
+from resilient.sdc.checksums import local as _local
 from resilient.snapshot.flatten import iter_leaves
 from resilient.snapshot.restore import restore_candidates
 from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
@@ -89,10 +90,6 @@ def init_optimizer_state(model: ParallelModel, optimizers: Optimizers) -> None:
         for state in opt.state.values():
             if "step" in state:
                 state["step"].zero_()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class TrainState:

@@ -215,9 +215,8 @@ def discard_early(early: tuple[subprocess.Popen, int]) -> None:
     proc, status = early
     proc.kill()
     proc.wait()
-    for f in (proc.stdin,):
-        if f is not None:
-            f.close()
+    if proc.stdin is not None:
+        proc.stdin.close()
     os.close(status)
 
 
