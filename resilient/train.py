@@ -287,7 +287,7 @@ class Trainer:
         """Restore the newest version, or initialize the parameters from the seed on a fresh
         run (the model was built uninitialized: see :func:`~resilient.parallel.build_model`)."""
         t0 = time.perf_counter()
-        restored = self.state.restore()
+        restored = self.state.restore(fresh=True)
         if restored is None:
             for part in self.model.parts:
                 init_parameters(part, self.cfg.train.seed)

@@ -152,26 +152,36 @@ class TrainState:
             state["optim"].update(optim_sd["state"])
         return state
 
-    def restore(self, max_step: int | None = None) -> Restored | None:
+    def restore(self, max_step: int | None = None, fresh: bool = False) -> Restored | None:
         """Load the newest complete version (at most ``max_step``, for a
         rollback) into the model and optimizer, in place, resharded to this
-        layout. Returns None on a fresh run."""
+        layout. Returns None on a fresh run. ``fresh``: the state holds nothing
+        yet (the process's first restore), so it may be read into directly."""
         if self.durable is None or not self.cfg.snapshot.resume:
             return None
         t0 = time.perf_counter()
         state = self.state()
+        # At start-up the state holds nothing yet (the model is built uninitialized): read
+        # the version straight into it on the host. A rollback stages, so that a version
+        # that fails half-way leaves the live state as it was. On a GPU the restore stages
+        # through the capture ring's pinned buffer for fast host→device copies.
+        direct = fresh and all(_local(v).device.type == "cpu" for section in state.values()
+                                          for _, v, _, _ in iter_leaves(section) if isinstance(v, torch.Tensor))
         # Allocate the capture buffers now rather than in the first saves (on a GPU they are
-        # pinned, which costs seconds per GB-scale slot), and stage the restore into one.
+        # pinned, which costs seconds per GB-scale slot), on a thread but for the staging one;
+        # after the restore when it needs none (the thread would compete with it for cores).
         writer = self.memory if self.memory is not None else (
             self.durable if self.cfg.snapshot.durable_every or self.cfg.snapshot.durable_seconds else None)
-        if writer is not None:
+        if writer is not None and not direct:
             writer.prepare(state, background=True)
-        arena = writer.staging() if writer is not None else None
+        arena = writer.staging() if writer is not None and not direct else None
         self.timings["prepare_buffers"] = round(time.perf_counter() - t0, 4)
         if self.store is None and max_step is None:
-            restored = self.durable.restore(state)
+            restored = self.durable.restore(state, direct=direct)
         else:
-            restored = self._restore_tiered(state, max_step, arena)
+            restored = self._restore_tiered(state, max_step, arena, direct)
+        if writer is not None and direct:
+            writer.prepare(state, background=True, staging=False)
         if restored is None:
             return None
         t1 = time.perf_counter()
@@ -216,7 +226,7 @@ class TrainState:
         self._state = None  # set_state_dict may have replaced optimizer state tensors
 
     def _restore_tiered(self, state: dict, max_step: int | None = None,
-                        arena: torch.Tensor | None = None) -> Restored | None:
+                        arena: torch.Tensor | None = None, direct: bool = False) -> Restored | None:
         durable = SnapshotReader(self.durable.url, self.durable.storage_options, self.durable.retry)
         secret = self.store.secret() if self.store is not None else None
         candidates, readers = tiered_candidates(self.store, durable, self.events, secret)
@@ -225,7 +235,7 @@ class TrainState:
         try:
             restored = restore_candidates(candidates, state, rank=self.durable.rank,
                                           config_digest=self.cfg.digest(), events=self.events,
-                                          layout=self.model.layout.as_dict(), arena=arena)
+                                          layout=self.model.layout.as_dict(), arena=arena, direct=direct)
         finally:
             for r in readers:
                 r.close()

@@ -213,20 +213,22 @@ class SlotRing:
         slot.plan = plan
         return slot, skipped
 
-    def preallocate(self, plan: CapturePlan, pin: bool, background: bool = False) -> None:
+    def preallocate(self, plan: CapturePlan, pin: bool, background: bool = False, staging: bool = True) -> None:
         """Allocate every free slot's buffer for ``plan`` and touch its pages.
 
-        ``background``: only the first slot now (a restore stages into it: :meth:`staging`),
+        ``background``: only the first slot now (a restore stages into it: :meth:`staging`;
+        none when ``staging`` is False, a restore that reads straight into the model),
         the others on a thread. Why: a restart's recovery waited for all of them, ~0.25 s
         per 0.5 GB slot here (the kernel zero-fills every page) and seconds on a GPU
         (pinning), while only the staging slot is needed before the first capture, which
         waits in :meth:`acquire` if it comes first."""
+        now = (1 if staging else 0) if background else len(self._slots)
         with self._cond:
             idle = [s for s in self._slots if s.idle]
-            later = idle[1:] if background else []
+            later = idle[now:]
             for s in later:
                 s.state = "preparing"
-        for slot in idle[:1] if background else idle:
+        for slot in idle[:now]:
             self._allocate(slot, plan, pin)
         if later:
             threading.Thread(target=self._prepare, args=(later, plan, pin), name="snapshot-prepare",

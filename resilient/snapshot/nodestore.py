@@ -220,6 +220,25 @@ class NodeStore:
             raise SnapshotIncomplete(f"{path}: holds {offset + len(data)} bytes, wanted {offset + length}", str(path))
         return data
 
+    def read_into(self, rel: str, offset: int, out: memoryview) -> memoryview:
+        """Read ``len(out)`` bytes at ``offset`` straight into ``out``: what :meth:`read`
+        returns, without the bytes object in between (one copy fewer on a restore)."""
+        path = self.file(rel)
+        got = 0
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset)
+                while got < len(out):
+                    n = f.readinto(out[got:])
+                    if not n:
+                        break
+                    got += n
+        except FileNotFoundError:
+            raise SnapshotIncomplete(f"{path}: not in node {self.node}'s store", str(path)) from None
+        if got != len(out):
+            raise SnapshotIncomplete(f"{path}: holds {offset + got} bytes, wanted {offset + len(out)}", str(path))
+        return out
+
     def writer(self, rel: str) -> "AtomicWriter":
         return AtomicWriter(self.file(rel), self.spares)
 

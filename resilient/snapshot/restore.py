@@ -6,7 +6,10 @@ host memory. Only when *every* rank staged the same version without error
 (one all-reduce: all ranks must load the same step) is anything copied into
 the model, so a corrupt range never reaches it and ranks never mix versions.
 Otherwise all ranks fall back to the previous complete version together
-(``restore_fallback``).
+(``restore_fallback``). A restarted worker, whose freshly built state holds
+nothing yet, skips the staging (``direct``): a version is read straight into
+it and used only once every rank verified it; a failed one is overwritten by
+the next version tried.
 """
 
 from __future__ import annotations
@@ -71,8 +74,10 @@ class _Staging:
 
 
 def _stage(reader: SnapshotReader, m: Manifest, state: dict, config_digest: str, strict: bool,
-           staging: _Staging) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[Any, Any, Any]], int]:
-    """Read and verify this rank's part of version ``m`` into host staging tensors."""
+           staging: _Staging, direct: bool = False
+           ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[Any, Any, Any]], int]:
+    """Read and verify this rank's part of version ``m`` into host staging tensors
+    (``direct``: into the live CPU tensors themselves where their region is contiguous)."""
     if strict and config_digest and m.config_digest and m.config_digest != config_digest:
         raise SnapshotMismatch(
             f"{reader.url} step {m.step}: config digest {m.config_digest} differs from this run's "
@@ -100,9 +105,13 @@ def _stage(reader: SnapshotReader, m: Manifest, state: dict, config_digest: str,
         local = value.to_local() if hasattr(value, "to_local") else value
         wanted = []
         for p in pieces:
+            dst = local[p.local.slices_within(Box((0,) * local.dim(), tuple(local.shape)))]
+            if direct and dst.device.type == "cpu" and dst.is_contiguous():
+                wanted.append((p.box, dst))
+                continue
             stage = staging.empty(p.box.sizes, local.dtype)
             wanted.append((p.box, stage))
-            copies.append((local[p.local.slices_within(Box((0,) * local.dim(), tuple(local.shape)))], stage))
+            copies.append((dst, stage))
         if wanted:
             jobs.append((rec, wanted))
     nbytes = fill_many(reader, m, jobs)
@@ -111,24 +120,33 @@ def _stage(reader: SnapshotReader, m: Manifest, state: dict, config_digest: str,
 
 def restore_state(reader: SnapshotReader, state: dict, *, rank: int, config_digest: str = "",
                   strict: bool = True, events: Any = None, layout: dict | None = None,
-                  arena: torch.Tensor | None = None) -> Restored | None:
+                  arena: torch.Tensor | None = None, direct: bool = False) -> Restored | None:
     """Restore ``state`` (nested dict of tensors/DTensors/JSON) in place from the newest usable version.
 
     Returns None when no complete version exists. Raises the newest version's
     error when versions exist but none can be restored on every rank."""
     return restore_candidates([(s, reader, "durable") for s in _candidates(reader)], state, rank=rank,
                               config_digest=config_digest, strict=strict, events=events, layout=layout,
-                              arena=arena)
+                              arena=arena, direct=direct)
 
 
 def restore_candidates(candidates: list[tuple[int, Any, str]], state: dict, *, rank: int,
                        config_digest: str = "", strict: bool = True, events: Any = None,
-                       layout: dict | None = None, arena: torch.Tensor | None = None) -> Restored | None:
+                       layout: dict | None = None, arena: torch.Tensor | None = None,
+                       direct: bool = False) -> Restored | None:
     """Try ``(step, reader, tier)`` in order (the same list on every rank) until one stages on
     every rank; copy it in place. A reader is a :class:`SnapshotReader` or anything with its
     ``url``, ``threads``, ``manifest``, ``manifest_path`` and ``read_chunk`` (the memory tiers);
     one with ``served_tier()`` names the tier that actually served this rank (``local``/``peer``).
-    ``arena``: a flat uint8 host buffer to stage into (see :class:`_Staging`); not kept."""
+    ``arena``: a flat uint8 host buffer to stage into (see :class:`_Staging`); not kept.
+
+    ``direct``: read straight into the live tensors (those in host memory, where the
+    region is contiguous) instead of staging them: for a state that holds nothing worth
+    keeping yet (a restarted worker's freshly built model), where it saves a copy of the
+    whole state and the staging buffer. The all-or-nothing guarantee is then per version
+    tried: a version that fails on some rank may have overwritten tensors before the next
+    one (which covers every tensor again) is read; if none can be restored this raises
+    as always, and the state must not be used."""
     t0 = time.monotonic()
     first_error: SnapshotError | None = None
     for step, reader, tier in candidates:
@@ -136,7 +154,7 @@ def restore_candidates(candidates: list[tuple[int, Any, str]], state: dict, *, r
         try:
             m = reader.manifest(step)
             with torch.no_grad():
-                copies, assigns, nbytes = _stage(reader, m, state, config_digest, strict, _Staging(arena))
+                copies, assigns, nbytes = _stage(reader, m, state, config_digest, strict, _Staging(arena), direct)
         except SnapshotError as e:
             err = e
         t_staged = time.monotonic()

@@ -198,18 +198,18 @@ class Snapshotter:
                  coalesced=skipped)
         return True
 
-    def prepare(self, state: dict, background: bool = False) -> None:
+    def prepare(self, state: dict, background: bool = False, staging: bool = True) -> None:
         """Optional, before training: plan and allocate (and fault in) the host buffers,
         so the first :meth:`save` costs only its copy. Collective like :meth:`save`.
-        ``background``: only the buffer a restore stages into now, the others on a thread
-        (:meth:`SlotRing.preallocate`)."""
+        ``background``: only the buffer a restore stages into now (none without
+        ``staging``), the others on a thread (:meth:`SlotRing.preallocate`)."""
         tensors, values = split_state(state)
         self._agree(tensors, values)
         self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
         self._sig = (state_signature(tensors), tuple(values))
         self._held = list(tensors.values())
         self._pin = _wants_pinned(tensors)
-        self._ring.preallocate(self._plan, self._pin, background)
+        self._ring.preallocate(self._plan, self._pin, background, staging)
 
     def fence(self) -> None:
         """On CUDA with ``overlap=True``: order later kernels after the capture copies."""
@@ -217,14 +217,17 @@ class Snapshotter:
             self._ring.fence()
 
     # --------------------------------------------------------------- restore
-    def restore(self, state: dict, strict: bool = True) -> Restored | None:
+    def restore(self, state: dict, strict: bool = True, direct: bool = False) -> Restored | None:
         """Load the newest complete, verified version into ``state`` in place.
 
         Collective: every rank calls it. Returns None on a fresh run (no
-        version); falls back to older versions when the newest is corrupt."""
+        version); falls back to older versions when the newest is corrupt.
+        ``direct``: ``state`` holds nothing worth keeping (a fresh process):
+        read into it without staging (:func:`~.restore.restore_candidates`)."""
         reader = SnapshotReader(self.url, self.storage_options, self.retry, self.opts.threads * 2)
         return restore_state(reader, state, rank=self.rank, config_digest=self.config_digest,
-                             strict=strict, events=self.events, layout=self.layout, arena=self.staging())
+                             strict=strict, events=self.events, layout=self.layout,
+                             arena=None if direct else self.staging(), direct=direct)
 
     def staging(self) -> torch.Tensor | None:
         """A host buffer of this writer's ring (after :meth:`prepare`) that a restore may stage

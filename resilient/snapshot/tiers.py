@@ -183,9 +183,10 @@ class MemoryReader:
         hs = self.plan["holders"].get(str(rank), [])
         return sorted(hs, key=lambda n: (n != self.info.node, n))
 
-    def _fetch(self, holder: str, rel: str, offset: int = 0, length: int | None = None) -> bytes:
+    def _fetch(self, holder: str, rel: str, offset: int = 0, length: int | None = None,
+               into: memoryview | None = None) -> bytes | memoryview:
         if holder == self.info.node:
-            return self.store.read(rel, offset, length)
+            return self.store.read(rel, offset, length) if into is None else self.store.read_into(rel, offset, into)
         clients = getattr(self._local, "clients", None)
         if clients is None:
             clients = self._local.clients = {}
@@ -203,12 +204,14 @@ class MemoryReader:
             self._peer_bytes += len(data)
         return data
 
-    def _from_holders(self, rank: int, rel: str, check, offset: int = 0, length: int | None = None) -> Any:
-        """``check(bytes)`` on the first holder's copy that passes; bad copies are reported and skipped."""
+    def _from_holders(self, rank: int, rel: str, check, offset: int = 0, length: int | None = None,
+                      into: memoryview | None = None) -> Any:
+        """``check(bytes)`` on the first holder's copy that passes; bad copies are reported and skipped.
+        ``into``: where this node's own copy is read to (``check`` is then given ``into``)."""
         last: SnapshotError | None = None
         for holder in self._holders(rank):
             try:
-                return check(self._fetch(holder, rel, offset, length))
+                return check(self._fetch(holder, rel, offset, length, into))
             except SnapshotCorrupt as e:
                 emit(self.events, "restore_fallback", step=self.plan["step"], url=self.url, error=str(e),
                      error_type=type(e).__name__, obj=f"{holder}:{rel}", holder=holder, copy_skipped=True,
@@ -237,6 +240,28 @@ class MemoryReader:
             return decode_chunk(data, tensor, chunk, where)
 
         return self._from_holders(rank_of(rel), rel, check, chunk.offset, chunk.length)
+
+    def read_into(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord, out: torch.Tensor) -> bool:
+        """Read an uncompressed chunk straight into ``out`` (a contiguous CPU tensor of the
+        chunk's shape and dtype) and verify it there: from this node's store one copy and
+        no bytes object (:meth:`read_chunk` makes two, plus the copy out of its result); a
+        peer's copy is verified, then copied in. False when this does not apply (the caller uses :meth:`read_chunk`).
+        A bad copy is reported and the next holder's read over it; if none is good this
+        raises and ``out`` holds garbage (the restore then fails or falls back as a whole)."""
+        if (chunk.compression != "none" or out.device.type != "cpu" or not out.is_contiguous()
+                or out.numel() * out.element_size() != chunk.length):
+            return False
+        rel = f"{version_dir(manifest.step)}/{chunk.object}"
+        where = f"{self.url}/{chunk.object}@{chunk.offset}+{chunk.length} ({tensor.name})"
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if chunk.length else memoryview(bytearray())
+
+        def check(data: bytes | memoryview) -> bool:
+            verify(data, chunk.checksum, where)
+            if data is not view:      # a peer's copy
+                view[:] = data
+            return True
+
+        return self._from_holders(rank_of(rel), rel, check, chunk.offset, chunk.length, into=view)
 
     def close(self) -> None:
         with self._lock:
