@@ -8,6 +8,8 @@ checked against its checksum before its bytes are used.
 
 from __future__ import annotations
 
+import math
+import threading
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -182,49 +184,74 @@ def fill_many(reader: SnapshotReader, manifest: Manifest,
               jobs: list[tuple[TensorRecord, list[tuple[Box, torch.Tensor]]]]) -> int:
     """:func:`fill_boxes` for many tensors at once, chunks fetched in parallel.
 
-    At most ``2 * threads`` chunks are in flight, so memory beyond the
-    destinations stays bounded. Raises :class:`SnapshotIncomplete` when the
+    Each worker thread reads a chunk and copies it into its destinations itself
+    (chunks never overlap, so the copies touch disjoint regions). A chunk that
+    lies inside one wanted box whose rows are contiguous (the same layout, or
+    dp-only resharding along rows) is read straight into its destination, for a
+    reader with ``read_into``; any other uncompressed chunk is read into the
+    thread's reusable scratch buffer and copied out of it, instead of into a
+    fresh bytes object per chunk (whose pages the kernel zero-fills: on a
+    resharded restore that doubled the time). So memory beyond the destinations
+    stays at one chunk per thread. Raises :class:`SnapshotIncomplete` when the
     chunks do not cover a wanted box, :class:`SnapshotCorrupt` on a bad chunk."""
     work = [(j, c) for j, (t, wanted) in enumerate(jobs) for c in t.chunks
             if any(Box(c.offsets, c.sizes).intersect(b) for b, _ in wanted)]
     covered = [[0] * len(wanted) for _, wanted in jobs]
-
-    def place(j: int, c: ChunkRecord, data: torch.Tensor | None) -> None:
-        cbox = Box(c.offsets, c.sizes)
-        for i, (b, dst) in enumerate(jobs[j][1]):
-            if data is None:  # read straight into this destination (see direct)
-                if cbox.intersect(b) == cbox:
-                    covered[j][i] += cbox.numel
-            else:
-                covered[j][i] += copy_overlap(cbox, data, b, dst)
-
+    lock = threading.Lock()
     direct_read = getattr(reader, "read_into", None)
+    scratch = threading.local()
+
+    def scratch_for(tensor: TensorRecord, c: ChunkRecord) -> torch.Tensor | None:
+        """This thread's buffer viewed as the chunk (None if the record's sizes disagree)."""
+        dtype = dtype_from_name(tensor.dtype, tensor.name)
+        if math.prod(c.sizes) * dtype.itemsize != c.length:
+            return None
+        buf = getattr(scratch, "buf", None)
+        if buf is None or buf.numel() < c.length:
+            buf = scratch.buf = torch.empty(c.length, dtype=torch.uint8)
+        return buf[:c.length].view(dtype).view(c.sizes)
 
     def fetch(j: int, c: ChunkRecord) -> torch.Tensor | None:
-        """The chunk's data, or None when it was read straight into its destination:
-        a chunk inside one wanted box whose destination rows are contiguous (the same
-        layout, or dp-only resharding along rows), for a reader that can."""
+        """The chunk's data, or None when it was read straight into its destination."""
+        tensor = jobs[j][0]
         if direct_read is not None:
             cbox = Box(c.offsets, c.sizes)
             for b, dst in jobs[j][1]:
                 if cbox.intersect(b) == cbox:
                     out = dst[cbox.slices_within(b)]
-                    if out.is_contiguous() and direct_read(manifest, jobs[j][0], c, out):
+                    if out.is_contiguous() and direct_read(manifest, tensor, c, out):
                         return None
                     break
-        return reader.read_chunk(manifest, jobs[j][0], c)
+            out = scratch_for(tensor, c) if c.compression == "none" and c.length else None
+            if out is not None and direct_read(manifest, tensor, c, out):
+                return out
+        return reader.read_chunk(manifest, tensor, c)
+
+    def fetch_and_place(j: int, c: ChunkRecord) -> None:
+        data = fetch(j, c)
+        cbox = Box(c.offsets, c.sizes)
+        for i, (b, dst) in enumerate(jobs[j][1]):
+            if data is None:  # read straight into this destination
+                n = cbox.numel if cbox.intersect(b) == cbox else 0
+            else:
+                n = copy_overlap(cbox, data, b, dst)
+            if n:
+                with lock:
+                    covered[j][i] += n
 
     window = max(1, 2 * reader.threads)
     with ThreadPoolExecutor(max(1, min(reader.threads, len(work) or 1))) as pool:
         inflight: deque = deque()
-        for j, c in work:
-            inflight.append((j, c, pool.submit(fetch, j, c)))
-            if len(inflight) >= window:
-                j0, c0, f0 = inflight.popleft()
-                place(j0, c0, f0.result())
-        while inflight:
-            j0, c0, f0 = inflight.popleft()
-            place(j0, c0, f0.result())
+        try:
+            for j, c in work:
+                inflight.append(pool.submit(fetch_and_place, j, c))
+                if len(inflight) >= window:
+                    inflight.popleft().result()
+            while inflight:
+                inflight.popleft().result()
+        finally:   # on an error, drop the chunks not started yet (the pool waits for the rest)
+            for f in inflight:
+                f.cancel()
     for (t, wanted), cov in zip(jobs, covered):
         for (b, _), n in zip(wanted, cov):
             if n != b.numel:
