@@ -3,6 +3,8 @@ and another copy (or tier) used; the bad bytes never reach the state."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -22,17 +24,46 @@ def _state(seed: int) -> dict:
             "optim": {"w": {"exp_avg": torch.randn(64, 32, generator=g)}}}
 
 
-def _setup(tmp_path, nodes):
-    stores = {n: NodeStore(tmp_path / "shm", "job", n) for n in nodes}
+@contextmanager
+def _nodes(tmp_path, names):
+    """A node store and a peer server per node name; all closed and removed at the end."""
+    stores = {n: NodeStore(tmp_path / "shm", "job", n) for n in names}
     for s in stores.values():
         s.create()
-    servers = {n: PeerServer(stores[n], SECRET, host="127.0.0.1") for n in nodes}
-    return stores, servers
+    servers = {n: PeerServer(stores[n], SECRET, host="127.0.0.1") for n in names}
+    try:
+        yield stores, servers
+    finally:
+        for s in servers.values():
+            s.close()
+        for s in stores.values():
+            s.remove()
+
+
+def _flip_byte(path, i: int, mask: int) -> None:
+    """Flip bits of byte ``i`` of a store file, at rest."""
+    data = bytearray(path.read_bytes())
+    data[i] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def _reader(tmp_path, attempt: str, holders: list[str], servers: dict) -> tuple[EventLog, MemoryReader]:
+    """Node "reader"'s events and its MemoryReader of step 5, held by ``holders``."""
+    events = EventLog(tmp_path / "events.jsonl", node="reader")
+    info = StoreInfo(base=str(tmp_path / "shm"), run_id="job", node="reader", etcd="", secret_file="")
+    plan = {"step": 5, "attempt": attempt, "world": 1, "holders": {"0": holders},
+            "peers": {n: servers[n].address for n in holders}}
+    return events, MemoryReader(plan, info, SECRET, events)
+
+
+def _assert_same(target: dict, original: dict) -> None:
+    for k in ("w", "b"):
+        assert torch.equal(target["model"][k], original["model"][k])
+    assert torch.equal(target["optim"]["w"]["exp_avg"], original["optim"]["w"]["exp_avg"])
 
 
 def test_corrupt_peer_copy_is_skipped_for_another(tmp_path):
-    stores, servers = _setup(tmp_path, ["writer", "b", "c", "reader"])
-    try:
+    with _nodes(tmp_path, ["writer", "b", "c", "reader"]) as (stores, servers):
         original = _state(1)
         with Snapshotter(stores["writer"].url, commit=False, compress="none", chunk_bytes=2048) as snap:
             snap.save(5, original, extra={"rng": None}, global_extra={"step": 5}, force=True)
@@ -42,40 +73,25 @@ def test_corrupt_peer_copy_is_skipped_for_another(tmp_path):
             with PeerClient(servers[peer].address, SECRET) as c:
                 for rel in files:
                     c.put(rel, stores["writer"].read(rel))
-        part = stores["b"].file(files[0])
-        data = bytearray(part.read_bytes())
-        data[100] ^= 0x40  # one flipped bit in b's copy, at rest
-        part.write_bytes(bytes(data))
+        _flip_byte(stores["b"].file(files[0]), 100, 0x40)  # one flipped bit in b's copy, at rest
 
-        events = EventLog(tmp_path / "events.jsonl", node="reader")
-        info = StoreInfo(base=str(tmp_path / "shm"), run_id="job", node="reader", etcd="", secret_file="")
-        plan = {"step": 5, "attempt": v.attempt, "world": 1, "holders": {"0": ["b", "c"]},
-                "peers": {n: servers[n].address for n in ("b", "c")}}
-        reader = MemoryReader(plan, info, SECRET, events)
+        events, reader = _reader(tmp_path, v.attempt, ["b", "c"], servers)
         target = _state(2)
         got = restore_candidates([(5, reader, "memory")], target, rank=0, events=events)
         reader.close()
         assert got.step == 5
-        for k in ("w", "b"):
-            assert torch.equal(target["model"][k], original["model"][k])
-        assert torch.equal(target["optim"]["w"]["exp_avg"], original["optim"]["w"]["exp_avg"])
+        _assert_same(target, original)
         evs = list(read_events(tmp_path / "events.jsonl"))
         bad = [e for e in evs if e["event"] == "restore_fallback"]
         assert bad and bad[0]["holder"] == "b" and bad[0]["copy_skipped"] and "checksum" in bad[0]["error"]
         (ok,) = [e for e in evs if e["event"] == "restore"]
         assert ok["tier"] == "peer"
-    finally:
-        for s in servers.values():
-            s.close()
-        for s in stores.values():
-            s.remove()
 
 
 def test_corrupt_local_copy_read_straight_into_the_state_is_replaced_by_a_peers(tmp_path, monkeypatch):
     """``direct``: this node's copy is read into the live tensors themselves; a flipped bit
     there is caught in place, reported, and a peer's good copy written over it."""
-    stores, servers = _setup(tmp_path, ["reader", "c"])
-    try:
+    with _nodes(tmp_path, ["reader", "c"]) as (stores, servers):
         original = _state(5)
         with Snapshotter(stores["reader"].url, commit=False, compress="none", chunk_bytes=2048) as snap:
             snap.save(5, original, extra={"rng": None}, global_extra={"step": 5}, force=True)
@@ -84,15 +100,8 @@ def test_corrupt_local_copy_read_straight_into_the_state_is_replaced_by_a_peers(
         with PeerClient(servers["c"].address, SECRET) as c:
             for rel in files:
                 c.put(rel, stores["reader"].read(rel))
-        part = stores["reader"].file(files[0])
-        data = bytearray(part.read_bytes())
-        data[100] ^= 0x08
-        part.write_bytes(bytes(data))
-        events = EventLog(tmp_path / "events.jsonl", node="reader")
-        info = StoreInfo(base=str(tmp_path / "shm"), run_id="job", node="reader", etcd="", secret_file="")
-        plan = {"step": 5, "attempt": v.attempt, "world": 1, "holders": {"0": ["reader", "c"]},
-                "peers": {n: servers[n].address for n in ("reader", "c")}}
-        reader = MemoryReader(plan, info, SECRET, events)
+        _flip_byte(stores["reader"].file(files[0]), 100, 0x08)
+        events, reader = _reader(tmp_path, v.attempt, ["reader", "c"], servers)
         whole = NodeStore.read
 
         def manifests_only(store, rel, *a, **kw):   # this node's chunks are read in place, never as bytes
@@ -104,26 +113,18 @@ def test_corrupt_local_copy_read_straight_into_the_state_is_replaced_by_a_peers(
         got = restore_candidates([(5, reader, "memory")], target, rank=0, events=events, direct=True)
         reader.close()
         assert got.step == 5 and target["model"]["w"].data_ptr() == live
-        for k in ("w", "b"):
-            assert torch.equal(target["model"][k], original["model"][k])
-        assert torch.equal(target["optim"]["w"]["exp_avg"], original["optim"]["w"]["exp_avg"])
+        _assert_same(target, original)
         evs = list(read_events(tmp_path / "events.jsonl"))
         (bad,) = [e for e in evs if e["event"] == "restore_fallback"]
         assert bad["holder"] == "reader" and bad["tier"] == "local" and "checksum" in bad["error"]
         (ok,) = [e for e in evs if e["event"] == "restore"]
         assert ok["tier"] == "peer"
-    finally:
-        for s in servers.values():
-            s.close()
-        for s in stores.values():
-            s.remove()
 
 
 @pytest.mark.parametrize("direct", [False, True])
 def test_every_copy_corrupt_falls_back_to_durable(tmp_path, direct):
-    stores, servers = _setup(tmp_path, ["writer", "reader"])
     durable_url = (tmp_path / "durable").as_uri()
-    try:
+    with _nodes(tmp_path, ["writer", "reader"]) as (stores, servers):
         original = _state(3)
         with Snapshotter(durable_url, compress="none") as d:
             d.save(4, original, extra={"rng": None}, global_extra={"step": 4}, force=True)
@@ -131,28 +132,14 @@ def test_every_copy_corrupt_falls_back_to_durable(tmp_path, direct):
         with Snapshotter(stores["writer"].url, commit=False, compress="none") as snap:
             snap.save(5, newer, extra={"rng": None}, global_extra={"step": 5}, force=True)
         (v,) = stores["writer"].versions()
-        part = stores["writer"].file(stores["writer"].rank_files(5, v.attempt, 0)[0])
-        data = bytearray(part.read_bytes())
-        data[-1] ^= 1
-        part.write_bytes(bytes(data))
-        events = EventLog(tmp_path / "events.jsonl", node="reader")
-        info = StoreInfo(base=str(tmp_path / "shm"), run_id="job", node="reader", etcd="", secret_file="")
-        plan = {"step": 5, "attempt": v.attempt, "world": 1, "holders": {"0": ["writer"]},
-                "peers": {"writer": servers["writer"].address}}
-        reader = MemoryReader(plan, info, SECRET, events)
+        _flip_byte(stores["writer"].file(stores["writer"].rank_files(5, v.attempt, 0)[0]), -1, 1)
+        events, reader = _reader(tmp_path, v.attempt, ["writer"], servers)
         target = _state(9)
         got = restore_candidates([(5, reader, "memory"), (4, SnapshotReader(durable_url), "durable")],
                                  target, rank=0, events=events, direct=direct)
         reader.close()
         assert got.step == 4
-        for k in ("w", "b"):   # read over whatever the failed version left (direct)
-            assert torch.equal(target["model"][k], original["model"][k])
-        assert torch.equal(target["optim"]["w"]["exp_avg"], original["optim"]["w"]["exp_avg"])
+        _assert_same(target, original)   # (direct) read over whatever the failed version left
         evs = list(read_events(tmp_path / "events.jsonl"))
         assert [e["tier"] for e in evs if e["event"] == "restore"] == ["durable"]
         assert any(e["event"] == "restore_fallback" and e.get("tier") == "memory" and e["step"] == 5 for e in evs)
-    finally:
-        for s in servers.values():
-            s.close()
-        for s in stores.values():
-            s.remove()

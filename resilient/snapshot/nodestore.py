@@ -224,15 +224,8 @@ class NodeStore:
         """Read ``len(out)`` bytes at ``offset`` straight into ``out``: what :meth:`read`
         returns, without the bytes object in between (one copy fewer on a restore)."""
         path = self.file(rel)
-        got = 0
         try:
-            with open(path, "rb", buffering=0) as f:
-                f.seek(offset)
-                while got < len(out):
-                    n = f.readinto(out[got:])
-                    if not n:
-                        break
-                    got += n
+            got = readinto_at(path, offset, out)
         except FileNotFoundError:
             raise SnapshotIncomplete(f"{path}: not in node {self.node}'s store", str(path)) from None
         if got != len(out):
@@ -368,6 +361,20 @@ class Doorbell:
                 s.sendto(b"1", str(path))
         except OSError:
             pass
+
+
+def readinto_at(path: str | os.PathLike, start: int, out: memoryview) -> int:
+    """Read up to ``len(out)`` bytes of a local file from ``start`` into ``out``; returns how
+    many (fewer at the end of the file). FileNotFoundError passes through."""
+    got = 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while got < len(out):
+            n = f.readinto(out[got:])
+            if not n:
+                break
+            got += n
+    return got
 
 
 def open_for_rewrite(tmp: Path, spares: "Spares | None"):

@@ -26,7 +26,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete, StorageError
-from resilient.snapshot.nodestore import OWNER, Spares, open_for_rewrite
+from resilient.snapshot.nodestore import OWNER, Spares, open_for_rewrite, readinto_at
 
 T = TypeVar("T")
 
@@ -160,14 +160,7 @@ def read_range_into(fs: fsspec.AbstractFileSystem, path: str, start: int, out: m
     """Read ``len(out)`` bytes of a local file from ``start`` into ``out`` (no intermediate
     bytes object); the same errors as :func:`read_range`."""
     try:
-        with open(fs._strip_protocol(path), "rb", buffering=0) as f:
-            f.seek(start)
-            got = 0
-            while got < len(out):
-                n = f.readinto(out[got:])
-                if not n:
-                    break
-                got += n
+        got = readinto_at(fs._strip_protocol(path), start, out)
     except FileNotFoundError:
         raise _missing(path) from None
     if got != len(out):
