@@ -46,8 +46,9 @@ TIMEOUT = 600
 STANDBY_WARMUP = 20  # s between starting the standby node and the kill: its imports are done by then
 
 
-def _sets() -> list[str]:
-    return tiny_sets(**{"snapshot.every": 1, "snapshot.durable_every": DURABLE_EVERY, "snapshot.replicas": 1})
+def _sets(extra: dict | None = None) -> list[str]:
+    return tiny_sets(**{"snapshot.every": 1, "snapshot.durable_every": DURABLE_EVERY, "snapshot.replicas": 1,
+                        **(extra or {})})
 
 
 def _rank0(run_dir: Path, kind: str, after: float) -> list[dict]:
@@ -145,24 +146,26 @@ def kill_nodes(run_dir: Path, start: Callable[[str, int], Job], kills: int, need
     return out
 
 
-def _resilient(root: Path, i: int, kills: int, scenario: str, cmds: dict) -> list[dict]:
+def _resilient(root: Path, i: int, kills: int, scenario: str, cmds: dict, extra: dict | None = None) -> list[dict]:
+    """One resilient job of ``scenario`` (``extra``: settings over the tiny model's)."""
     run_dir = root / f"resilient-{scenario}-{i}"
     nnodes = "1:2" if scenario == "shrink" else "2"
     with etcd_server() as etcd:
         def start(node: str, n: int) -> Job:
-            cmd = launch_cmd(run_dir, _sets(), nproc=1, node=node, nnodes=nnodes, endpoint=etcd.endpoint,
+            cmd = launch_cmd(run_dir, _sets(extra), nproc=1, node=node, nnodes=nnodes, endpoint=etcd.endpoint,
                              domain=f"r{n + 1}")
             cmds[f"resilient_{scenario}"] = shown(cmd)
             return Job(cmd, run_dir, name=node)
         return kill_nodes(run_dir, start, kills, need_peer=True, scenario=scenario)
 
 
-def _torchrun(root: Path, i: int, kills: int, scenario: str, cmds: dict) -> list[dict]:
+def _torchrun(root: Path, i: int, kills: int, scenario: str, cmds: dict, extra: dict | None = None) -> list[dict]:
+    """The same with torchrun (its workers restore from the durable tier)."""
     run_dir = root / f"torchrun-{scenario}-{i}"
     endpoint = f"127.0.0.1:{free_port()}"
 
     def start(node: str, n: int) -> Job:
-        cmd = torchrun_cmd(run_dir, _sets(), nproc=1, nnodes="1:2" if scenario == "shrink" else "2", endpoint=endpoint)
+        cmd = torchrun_cmd(run_dir, _sets(extra), nproc=1, nnodes="1:2" if scenario == "shrink" else "2", endpoint=endpoint)
         # The same rendezvous timings as resilient's defaults (torch's: 30 s last call, 5 s keep-alive).
         conf = f"is_host={int(node == 'a')},last_call_timeout=1,keep_alive_interval=1"
         cmd[cmd.index("--rdzv-endpoint"):cmd.index("--rdzv-endpoint")] = ["--rdzv-conf", conf]
