@@ -143,6 +143,7 @@ class Trainer:
         mark("sdc")
         self.state = TrainState(cfg, self.run_dir, self.model, self.optimizer, self.events)
         mark("snapshots")  # the optimizer's state and the snapshot writers
+        self.startup.update({f"snapshots.{k}": v for k, v in self.state.setup_timings.items()})
         # Completed steps; the next step to run is self.step + 1 and its first
         # global sample is self.step × global_batch (the data position).
         self.step = 0

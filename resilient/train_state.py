@@ -99,10 +99,12 @@ class TrainState:
         self.model = model
         self.optimizer = optimizer
         self.events = events
+        self.timings: dict[str, float] = {}  # seconds of the last restore's parts (run_start's startup)
+        t0 = time.perf_counter()
         init_optimizer_state(model, optimizer)
+        t1 = time.perf_counter()
         self._state: dict | None = None
         self._state_key: tuple = ()
-        self.timings: dict[str, float] = {}  # seconds of the last restore's parts (run_start's startup)
         snap = cfg.snapshot
         self.last_saved = -1
         self.durable_step = -1  # newest step captured for (or restored from) the durable tier
@@ -116,11 +118,15 @@ class TrainState:
                 part_bytes=snap.part_mib << 20, commit=False,
                 retry=RetryPolicy(deadline=timedelta(seconds=2), attempts=2))
         self.durable: Snapshotter | None = None
+        t2 = time.perf_counter()
         if snap.durable_every or snap.durable_seconds or snap.resume:
             # One capture feeds both tiers: the durable writer shares the RAM store's buffers.
             self.durable = Snapshotter.from_config(
                 snap, durable_url(cfg, run_dir), events=events, layout=model.layout.as_dict(),
                 config_digest=cfg.digest(), share_with=self.memory)
+        # where the set-up went (run_start's startup: snapshots.*)
+        self.setup_timings = {"optimizer_state": round(t1 - t0, 4), "memory_tier": round(t2 - t1, 4),
+                              "durable_tier": round(time.perf_counter() - t2, 4)}
 
     def _identity(self) -> tuple:
         """Which tensor objects the state is made of: parameters and optimizer state.
