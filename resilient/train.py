@@ -39,7 +39,7 @@ from resilient.sdc.api import Action, SdcError
 from resilient.sdc.inject import BitFlipInjector, FlipSpec
 from resilient.sdc.monitor import SdcMonitor
 from resilient.sdc.reduction import pipeline_post_scale
-from resilient.train_state import TrainState
+from resilient.train_state import Marks, TrainState
 
 DIST_TIMEOUT = timedelta(minutes=5)
 
@@ -77,18 +77,6 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if d == "bf16" else torch.float32
 
 
-class _Marks:
-    """Seconds since the previous mark, per phase name, into ``out``."""
-
-    def __init__(self, out: dict[str, float]):
-        self.out, self.last = out, time.perf_counter()
-
-    def __call__(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.out[phase] = round(now - self.last, 4)
-        self.last = now
-
-
 def param_digest(pm: ParallelModel) -> str:
     """SHA-256 of this rank's local parameter bytes, in name order: equal
     digests on every rank of two runs of one layout = bitwise-equal models."""
@@ -108,7 +96,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         # Where a worker's start goes (run_start's ``startup``): a restart's recovery waits for it.
         self.startup: dict[str, float] = {}
-        mark = _Marks(self.startup)
+        mark = Marks(self.startup)
         self.device, backend = pick_device(cfg)
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=DIST_TIMEOUT)

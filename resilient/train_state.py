@@ -63,6 +63,18 @@ def durable_url(cfg: Config, run_dir: Path) -> str:
     return cfg.snapshot.durable_url or (run_dir / "checkpoints").as_uri()
 
 
+class Marks:
+    """Seconds since the previous mark, per phase name, into ``out`` (run_start's ``startup``)."""
+
+    def __init__(self, out: dict[str, float]):
+        self.out, self.last = out, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.out[phase] = round(now - self.last, 4)
+        self.last = now
+
+
 def init_optimizer_state(model: ParallelModel, optimizers: Optimizers) -> None:
     """Materialize AdamW's state (zeros, step 0) so a restore has tensors to fill.
 
@@ -100,9 +112,10 @@ class TrainState:
         self.optimizer = optimizer
         self.events = events
         self.timings: dict[str, float] = {}  # seconds of the last restore's parts (run_start's startup)
-        t0 = time.perf_counter()
+        self.setup_timings: dict[str, float] = {}   # where the set-up went (run_start's startup: snapshots.*)
+        mark = Marks(self.setup_timings)
         init_optimizer_state(model, optimizer)
-        t1 = time.perf_counter()
+        mark("optimizer_state")
         self._state: dict | None = None
         self._state_key: tuple = ()
         snap = cfg.snapshot
@@ -118,15 +131,13 @@ class TrainState:
                 part_bytes=snap.part_mib << 20, commit=False,
                 retry=RetryPolicy(deadline=timedelta(seconds=2), attempts=2))
         self.durable: Snapshotter | None = None
-        t2 = time.perf_counter()
+        mark("memory_tier")
         if snap.durable_every or snap.durable_seconds or snap.resume:
             # One capture feeds both tiers: the durable writer shares the RAM store's buffers.
             self.durable = Snapshotter.from_config(
                 snap, durable_url(cfg, run_dir), events=events, layout=model.layout.as_dict(),
                 config_digest=cfg.digest(), share_with=self.memory)
-        # where the set-up went (run_start's startup: snapshots.*)
-        self.setup_timings = {"optimizer_state": round(t1 - t0, 4), "memory_tier": round(t2 - t1, 4),
-                              "durable_tier": round(time.perf_counter() - t2, 4)}
+        mark("durable_tier")
 
     def _identity(self) -> tuple:
         """Which tensor objects the state is made of: parameters and optimizer state.

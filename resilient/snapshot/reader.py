@@ -105,13 +105,11 @@ class SnapshotReader:
         chunk's shape and dtype) and verify it there: one copy fewer than :meth:`read_chunk`.
         Returns False when this reader cannot (remote storage, compressed chunk); the caller
         then uses :meth:`read_chunk`. On a bad checksum ``out`` holds garbage and this raises."""
-        if chunk.compression != "none" or not isinstance(self.fs, LocalFileSystem) or not out.is_contiguous():
-            return False
-        if out.numel() * out.element_size() != chunk.length:
+        view = chunk_view(chunk, out)
+        if view is None or not isinstance(self.fs, LocalFileSystem):
             return False
         path = self.object_path(manifest, chunk)
         where = f"{path}@{chunk.offset}+{chunk.length} ({tensor.name})"
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if chunk.length else memoryview(bytearray())
 
         def read() -> memoryview:
             read_range_into(self.fs, path, chunk.offset, view)
@@ -153,6 +151,15 @@ class SnapshotReader:
             out = torch.empty(box.sizes, dtype=dtype_from_name(t.dtype, name))
         fill_boxes(self, manifest, t, [(box, out)])
         return out
+
+
+def chunk_view(chunk: ChunkRecord, out: torch.Tensor) -> memoryview | None:
+    """``out``'s bytes, writable, when ``chunk`` can be read straight into it (a ``read_into``):
+    stored uncompressed, and ``out`` a contiguous host tensor of exactly its size; else None."""
+    if (chunk.compression != "none" or out.device.type != "cpu" or not out.is_contiguous()
+            or out.numel() * out.element_size() != chunk.length):
+        return None
+    return memoryview(out.reshape(-1).view(torch.uint8).numpy()) if chunk.length else memoryview(bytearray())
 
 
 def decode_chunk(data: bytes, tensor: TensorRecord, chunk: ChunkRecord, where: str) -> torch.Tensor:

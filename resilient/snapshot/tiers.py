@@ -38,7 +38,7 @@ from resilient.snapshot.durable import emit, merge_rank_manifests
 from resilient.snapshot.format import manifest_from_json, verify, version_dir
 from resilient.snapshot.nodestore import NodeStore, rank_of
 from resilient.snapshot.peer import PeerClient, PeerError
-from resilient.snapshot.reader import SnapshotReader, decode_chunk
+from resilient.snapshot.reader import SnapshotReader, chunk_view, decode_chunk
 
 STORE_ENV = "RESILIENT_STORE"
 
@@ -248,12 +248,11 @@ class MemoryReader:
         peer's copy is verified, then copied in. False when this does not apply (the caller uses :meth:`read_chunk`).
         A bad copy is reported and the next holder's read over it; if none is good this
         raises and ``out`` holds garbage (the restore then fails or falls back as a whole)."""
-        if (chunk.compression != "none" or out.device.type != "cpu" or not out.is_contiguous()
-                or out.numel() * out.element_size() != chunk.length):
+        view = chunk_view(chunk, out)
+        if view is None:
             return False
         rel = f"{version_dir(manifest.step)}/{chunk.object}"
         where = f"{self.url}/{chunk.object}@{chunk.offset}+{chunk.length} ({tensor.name})"
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if chunk.length else memoryview(bytearray())
 
         def check(data: bytes | memoryview) -> bool:
             verify(data, chunk.checksum, where)
