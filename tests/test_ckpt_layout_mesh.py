@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from spawnutil import exit_passed
+
 pytestmark = pytest.mark.slow
 
 MODEL = {"vocab_size": 96, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 96, "max_seq_len": 16}
@@ -41,6 +43,7 @@ def worker(rank: int, world: int, store: str, result: str) -> None:
             f.write("\n".join(bad))
     finally:
         dist.destroy_process_group()
+    exit_passed()
 
 
 def test_layout_boxes_match_fsdp2_over_tp(tmp_path):

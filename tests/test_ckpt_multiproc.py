@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from spawnutil import exit_passed
+
 from resilient.snapshot import SnapshotReader
 from resilient.snapshot.boxes import Box
 from resilient_tools.cli import main
@@ -54,6 +56,7 @@ def worker(rank: int, world: int, store: str, url: str, tp: int) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_passed()
 
 
 def write(tmp_path, name: str, tp: int) -> str:

@@ -76,9 +76,78 @@ def crc(data: Any, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
+# CRC combination (the method of zlib's crc32_combine, for the CRC-32C polynomial): the
+# CRC of A+B from crc(A), crc(B) and len(B), without the bytes. Why: a peer push must
+# send the CRC of a whole part file; the rank manifest already holds its chunks' CRCs,
+# and reading the file again to checksum it cost as much as the copy into the socket.
+_POLY = 0x82F63B78  # CRC-32C, bit-reflected
+
+
+def _mulmod(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial (reflected bit order: bit 31 is x^0)."""
+    m, p = 1 << 31, 0
+    while a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    t, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        t.append(p)
+        p = _mulmod(p, p)
+    return t
+
+
+_X2N = _x2n_table()  # x^(2^k) mod P
+
+
+@functools.lru_cache(maxsize=256)  # chunk lengths repeat: most are chunk_bytes
+def _shift(nbytes: int) -> int:
+    """x^(8 * nbytes) mod P: appending ``nbytes`` zero bytes, as a multiplier."""
+    p, k, n = 1 << 31, 3, nbytes
+    while n:
+        if n & 1:
+            p = _mulmod(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32C of ``A + B`` given ``crc(A)``, ``crc(B)`` and ``len(B)``."""
+    return _mulmod(_shift(len2), crc1) ^ crc2
+
+
 def checksum(data: Any) -> str:
     """Self-describing checksum string of a bytes-like object."""
     return f"crc32c:{crc(data):08x}"
+
+
+def object_crcs(m: Manifest) -> dict[str, int]:
+    """CRC-32C of each whole object of ``m`` whose chunks tile it end to end (all of a
+    rank's parts, as the writers lay them out), combined from the chunks' checksums:
+    the checksum of the bytes as they were captured, not as a file now holds them."""
+    by_obj: dict[str, list] = {}
+    for t in m.tensors.values():
+        for c in t.chunks:
+            by_obj.setdefault(c.object, []).append(c)
+    out = {}
+    for obj, chunks in by_obj.items():
+        chunks.sort(key=lambda c: c.offset)
+        value, end = 0, 0
+        for c in chunks:
+            algo, _, hexval = c.checksum.partition(":")
+            if algo != "crc32c" or c.offset != end:
+                break
+            value, end = crc_combine(value, int(hexval, 16), c.length), end + c.length
+        else:
+            out[obj] = value
+    return out
 
 
 _ALGORITHMS = {"crc32c": checksum, "crc32": lambda data: f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"}

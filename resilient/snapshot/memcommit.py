@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+from resilient.snapshot.format import manifest_from_json, object_crcs, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError, peer_order
 from resilient.snapshot.priority import REPLICATION_NICE, background_priority
@@ -262,11 +263,20 @@ class Replicator:
             c.close()
 
     def _push(self, peer: str, address: str, v: LocalVersion, ranks: list[int]) -> int:
+        """Each rank's parts, then its manifest (which marks the rank whole on the peer).
+        A part goes out with the CRC its chunks had when captured (from the manifest), so
+        a copy damaged in this store is refused by the peer instead of replicated."""
         c = self._client(peer, address)
         sent = 0
         for r in ranks:
-            for rel in self.store.rank_files(v.step, v.attempt, r):
-                sent += c.put_file(rel, self.store.file(rel))
+            *parts, mrel = self.store.rank_files(v.step, v.attempt, r)
+            doc = self.store.read(mrel)
+            crcs = object_crcs(manifest_from_json(doc, mrel))
+            for rel in parts:
+                obj = rel.removeprefix(f"{version_dir(v.step)}/")
+                sent += c.put_file(rel, self.store.file(rel), crcs.get(obj))
+            c.put(mrel, doc)
+            sent += len(doc)
         return sent
 
     # -- etcd records -----------------------------------------------------------

@@ -125,12 +125,6 @@ class _Handler(socketserver.BaseRequestHandler):
         except (OSError, ValueError) as e:
             log.debug("peer connection ended: %s", e)
 
-    def _piece(self) -> memoryview:
-        buf = getattr(self, "_buf", None)
-        if buf is None:
-            buf = self._buf = memoryview(bytearray(PIECE))
-        return buf
-
     def _auth(self, sock: socket.socket, secret: bytes) -> bool:
         nonce = secrets.token_bytes(32)
         _send(sock, {"nonce": nonce.hex()})
@@ -161,13 +155,7 @@ class _Handler(socketserver.BaseRequestHandler):
             size, sent_crc = int(req["size"]), int(req["crc"])
             w = store.writer(rel)
             try:
-                left = size
-                piece = self._piece()
-                while left:
-                    n = min(left, PIECE)
-                    _recv_into(sock, piece[:n])  # one buffer per connection: no copy per piece
-                    w.write(piece[:n])
-                    left -= n
+                w.receive(size, lambda view: _recv_into(sock, view), PIECE)
                 w.commit(size, sent_crc)
             except BaseException as e:
                 w.abort()
@@ -258,21 +246,26 @@ class PeerClient:
         view = memoryview(data).cast("B")
         self._put(rel, len(view), crc(view), lambda i, n: self.sock.sendall(view[i:i + n]))
 
-    def put_file(self, rel: str, path: str | os.PathLike) -> int:
+    def put_file(self, rel: str, path: str | os.PathLike, expect_crc: int | None = None) -> int:
         """Store the local file ``path`` as ``rel`` on the peer, like :meth:`put`; returns its size.
 
         Why not ``put(rel, read(path))``: a replica is pushed every version, and a read
-        into a Python buffer is one more copy of the state per push. The checksum is taken
-        over a read-only mapping of the file and the bytes go out with ``sendfile`` (the
-        kernel copies from the page cache to the socket)."""
+        into a Python buffer is one more copy of the state per push. The bytes go out with
+        ``sendfile`` (the kernel copies from the page cache to the socket).
+
+        ``expect_crc``: the CRC-32C the file must have (combined from its rank manifest's
+        chunk checksums, :func:`~resilient.snapshot.format.object_crcs`); the peer checks
+        what it receives against it, so a copy damaged in this store is refused there, and
+        the file is not read once more to checksum it. Without it, the checksum is taken
+        over a read-only mapping of the file."""
         try:
             f = open(path, "rb")
         except FileNotFoundError:
             raise SnapshotIncomplete(f"{path}: not in this node's store", str(path)) from None
         with f:
             size = os.fstat(f.fileno()).st_size
-            value = 0
-            if size:
+            value = expect_crc or 0
+            if size and expect_crc is None:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                     value = crc(mm)
 

@@ -1,0 +1,98 @@
+"""A replica push: the part's CRC comes from its rank manifest (combined, not re-read), so
+a copy damaged in the sender's store is refused by the peer; the peer lands bytes in place
+and a full store refuses a replica with a clear error instead of dying."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from resilient.snapshot import Snapshotter
+from resilient.snapshot.format import crc, crc_combine, manifest_from_json, object_crcs
+from resilient.snapshot.nodestore import NodeStore
+from resilient.snapshot.peer import PeerClient, PeerError, PeerServer
+from resilient_chaos.disk import SmallVolume, mount_unavailable
+
+SECRET = bytes(range(32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=4096), st.binary(max_size=4096))
+def test_combined_crc_is_the_crc_of_the_concatenation(a, b):
+    assert crc_combine(crc(a), crc(b), len(b)) == crc(a + b)
+
+
+def written_version(tmp_path) -> tuple[os.PathLike, dict[str, int]]:
+    """A real rank 0 version (several chunks per part), and its parts' combined CRCs."""
+    root = tmp_path / "src"
+    state = {"w": torch.randn(300, 7), "b": torch.arange(50.0), "i": torch.arange(33, dtype=torch.int16)}
+    with Snapshotter(f"file://{root}", chunk_bytes=1000, part_bytes=3000) as snap:
+        snap.save(3, state)
+        assert snap.wait()
+    mpath = next(root.glob("step-*/*/r00000.json"))
+    return root, object_crcs(manifest_from_json(mpath.read_bytes(), str(mpath)))
+
+
+def test_object_crcs_match_the_part_files(tmp_path):
+    root, crcs = written_version(tmp_path)
+    vdir = next(root.glob("step-*"))
+    parts = sorted(p.relative_to(vdir).as_posix() for p in vdir.glob("*/r00000-p*.bin"))
+    assert len(parts) > 1 and sorted(crcs) == parts
+    for obj in parts:
+        assert crcs[obj] == crc((vdir / obj).read_bytes())
+
+
+@pytest.fixture
+def peer(tmp_path):
+    store = NodeStore(tmp_path / "peer", "job", "n1")
+    store.create()
+    srv = PeerServer(store, SECRET, host="127.0.0.1")
+    yield store, srv
+    srv.close()
+    store.remove()
+
+
+def test_a_part_damaged_in_the_senders_store_is_refused_by_the_peer(tmp_path, peer):
+    store, srv = peer
+    root, crcs = written_version(tmp_path)
+    vdir = next(root.glob("step-*"))
+    obj = sorted(crcs)[0]
+    rel = f"{vdir.name}/{obj}"
+    with PeerClient(srv.address, SECRET) as c:
+        c.put_file(rel, vdir / obj, crcs[obj])  # intact: accepted, byte for byte
+        assert store.read(rel) == (vdir / obj).read_bytes()
+        damaged = bytearray((vdir / obj).read_bytes())
+        damaged[len(damaged) // 2] ^= 0x10
+        (vdir / obj).write_bytes(bytes(damaged))
+        other = rel.replace("-p0000", "-p0009")
+        with pytest.raises(PeerError, match="refused"):
+            c.put_file(other, vdir / obj, crcs[obj])
+    assert not store.file(other).exists()
+    assert not [p for p in store.file(other).parent.iterdir() if ".tmp-" in p.name]
+
+
+REASON = mount_unavailable()
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"cannot mount a tmpfs: {REASON}")
+def test_a_full_store_refuses_a_replica_and_keeps_serving():
+    rel = "step-000000000005/abc-000001/r00000-p0000.bin"
+    with SmallVolume(1 << 20) as vol:
+        store = NodeStore(vol.path, "job", "n1")
+        store.create()
+        srv = PeerServer(store, SECRET, host="127.0.0.1")
+        try:
+            with PeerClient(srv.address, SECRET) as c:
+                with pytest.raises(PeerError, match="No space left"):
+                    c.put(rel, os.urandom(2 << 20))
+            assert not store.file(rel).exists()
+            assert not [p for p in store.file(rel).parent.iterdir() if ".tmp-" in p.name]
+            with PeerClient(srv.address, SECRET) as c:  # the server lives on, with room again
+                c.put(rel, b"small" * 100)
+                assert c.get(rel) == b"small" * 100
+        finally:
+            srv.close()
+            store.remove()
