@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-from resilient.snapshot.format import manifest_from_json, object_crcs, version_dir
+from resilient.snapshot.format import object_crcs, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError, peer_order
 from resilient.snapshot.priority import REPLICATION_NICE, background_priority
@@ -271,7 +271,7 @@ class Replicator:
         for r in ranks:
             *parts, mrel = self.store.rank_files(v.step, v.attempt, r)
             doc = self.store.read(mrel)
-            crcs = object_crcs(manifest_from_json(doc, mrel))
+            crcs = object_crcs(doc)
             for rel in parts:
                 obj = rel.removeprefix(f"{version_dir(v.step)}/")
                 sent += c.put_file(rel, self.store.file(rel), crcs.get(obj))
