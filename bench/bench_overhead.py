@@ -163,6 +163,18 @@ def judge(lo: float, hi: float, med: float, limit: float) -> tuple[bool | None, 
     return None, f"{d}: the interval straddles the {limit * 100:g}% goal, not judged"
 
 
+def push_cost() -> dict | None:
+    """bench/push_cost.py's figure: the agents' share of ``snap`` in isolation."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(BENCH / "push_cost.py")], capture_output=True, text=True, timeout=300)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return None
+
+
 def run(quick: bool) -> dict:
     warmup, block, cycles, drop = (6, 5, 3, 2) if quick else (10, 10, 12, 2)
     spec = f"{warmup}:{block}:{','.join(MODES)}"
@@ -236,5 +248,10 @@ def run(quick: bool) -> dict:
              "Loads before/after: " + "; ".join(loads) + ".",
              f"Command (RUN = a temp dir; per node, etcd on loopback; env {ENV}={spec} and "
              f"PYTHONPATH=bench/overhead_hook): `{cmd}`"]
+    push = push_cost()
+    if push:
+        notes.append(f"One replica push of a demo-sized rank version ({push['bytes'] / 1e6:.1f} MB) between two node "
+                     f"stores, both ends in one process, caches cold: {push['cpu_ms']} ms CPU, {push['wall_ms']} ms wall "
+                     f"(median of {push['reps']}; `python bench/push_cost.py`, which also A/Bs another checkout).")
     return row("Steady-state step overhead: snapshots + replication, SDC checks, vs off (interleaved blocks)",
                figures, out_ratios, goals, notes)

@@ -191,6 +191,8 @@ class NodeStore:
             except FileNotFoundError:
                 continue
             for ad in attempts:
+                if not ad.is_dir():  # a stray file beside the attempts names no version
+                    continue
                 try:
                     names = [e for e in os.scandir(ad.path) if e.name.endswith(".json")]
                     ranks = frozenset(int(e.name[1:6]) for e in names if re.fullmatch(r"r\d{5}\.json", e.name))

@@ -11,10 +11,13 @@ never takes bytes from a server that cannot prove membership. The secret is
 never sent. (Payloads are not encrypted: snapshots are training state, not
 credentials; put the fleet network behind the usual isolation.)
 
-Integrity: every transfer carries a CRC-32 of its whole payload, checked by
+Integrity: every transfer carries a CRC-32C of its whole payload, checked by
 the receiver before a ``put`` is renamed into place and before a ``get``
 returns; the format's per-chunk CRCs are checked again by the reader, so a
 replica corrupted at rest on a peer is caught too (:class:`SnapshotCorrupt`).
+The agent's pushes send the CRC the part had when its rank captured it
+(combined from the rank manifest's chunk CRCs), not one taken from the file
+now: a part damaged in the sender's store is refused, never replicated.
 
 Framing: ``u32 length`` + JSON header, then ``header["size"]`` raw bytes.
 Nothing is ever unpickled.

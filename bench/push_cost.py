@@ -1,0 +1,81 @@
+"""CPU of one replica push between two node stores (a hand tool, for A/B across commits).
+
+The ``overhead`` row measures snapshots + replication inside a training job, where
+the CPU of the agents' pushes (a few ms per version) drowns in the run-to-run swing
+of the workers' CPU on these shared cores. This isolates it: one rank's version of
+``--mb`` MB written by a real Snapshotter into node store A, pushed by the agent's
+own push code (``Replicator._push``: rank manifest, part CRCs, ``sendfile``) to a
+real ``PeerServer`` on store B over loopback, then retired on B so the next push
+rewrites spares, as a running agent does. Between pushes a 64 MB buffer is
+rewritten, so the caches are as cold as after a training step. Reported: median
+process CPU (both ends: they share this process) and wall time per push.
+
+    python bench/push_cost.py [--mb 7] [--reps 40]
+    PYTHONPATH=/path/to/other/checkout python bench/push_cost.py   # the same, another commit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import resilient
+from resilient.snapshot import Snapshotter
+from resilient.snapshot.memcommit import Replicator, ReplicatorOptions
+from resilient.snapshot.nodestore import NodeStore
+from resilient.snapshot.peer import PeerServer
+
+SECRET = b"s" * 32
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mb", type=float, default=7.0, help="state of the rank (the demo: ~7 MB per rank)")
+    ap.add_argument("--reps", type=int, default=40)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # idle OpenMP workers spin after the cache-clearing fill: CPU not ours
+    base = Path(tempfile.mkdtemp(prefix="push-cost-", dir="/dev/shm"))
+    a, b = NodeStore(base, "job", "a"), NodeStore(base, "job", "b")
+    a.create(), b.create()
+    srv = PeerServer(b, SECRET, host="127.0.0.1")
+    try:
+        n = int(args.mb * (1 << 20)) // 4
+        state = {f"t{i}": torch.randn(n // 96 + (i < n % 96)) for i in range(96)}  # demo-like: 96 tensors
+        with Snapshotter(a.url, every=1, commit=False, compress="none") as snap:  # as TrainState writes a node store
+            snap.save(1, state)
+            assert snap.wait()
+        version = a.versions()[-1]
+        # The agent's push code, without its thread and etcd: only what _push reads.
+        rep = Replicator.__new__(Replicator)
+        rep.store, rep.secret, rep.opts, rep._clients = a, SECRET, ReplicatorOptions(), {}
+        junk = torch.empty(16 << 20)
+        cpu, wall = [], []
+        for i in range(args.reps + 2):
+            b.retain(set(), below=10)
+            junk.fill_(float(i))
+            c0, w0 = time.process_time(), time.perf_counter()
+            sent = rep._push("b", srv.address, version, sorted(version.ranks))
+            if i >= 2:  # the first pushes create B's files; later ones rewrite spares
+                cpu.append(time.process_time() - c0)
+                wall.append(time.perf_counter() - w0)
+        print(json.dumps({"code": str(Path(resilient.__file__).parent.parent), "bytes": sent, "reps": args.reps,
+                          "cpu_ms": round(statistics.median(cpu) * 1e3, 2),
+                          "wall_ms": round(statistics.median(wall) * 1e3, 2)}))
+    finally:
+        for c in rep._clients.values() if "rep" in locals() else ():
+            c.close()
+        srv.close()
+        a.remove(), b.remove()
+        import shutil
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
