@@ -168,11 +168,13 @@ def push_cost() -> dict | None:
     import json
     import subprocess
 
-    out = subprocess.run([sys.executable, str(BENCH / "push_cost.py")], capture_output=True, text=True, timeout=300)
     try:
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        return None
+        out = subprocess.run([sys.executable, str(BENCH / "push_cost.py")], capture_output=True, text=True,
+                             timeout=300)
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        return got if {"bytes", "cpu_ms", "wall_ms", "reps"} <= set(got) else None
+    except (subprocess.TimeoutExpired, IndexError, ValueError, TypeError):
+        return None  # the row's own measurements stand without it
 
 
 def run(quick: bool) -> dict:

@@ -4,13 +4,15 @@ and a full store refuses a replica with a clear error instead of dying."""
 
 from __future__ import annotations
 
+import json
+import mmap
 import os
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from resilient.snapshot import Snapshotter
+from resilient.snapshot import SnapshotCorrupt, Snapshotter
 from resilient.snapshot.format import crc, crc_combine, object_crcs
 from resilient.snapshot.nodestore import NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, PeerServer
@@ -23,6 +25,32 @@ SECRET = bytes(range(32))
 @given(st.binary(max_size=4096), st.binary(max_size=4096))
 def test_combined_crc_is_the_crc_of_the_concatenation(a, b):
     assert crc_combine(crc(a), crc(b), len(b)) == crc(a + b)
+
+
+@pytest.mark.parametrize("n", [(1 << 29) + 3, 3 << 29])
+def test_combined_crc_past_2_to_the_29_bytes(n):
+    """Lengths whose bit count passes 32 (zlib's table wraps there; CRC-32C's must not).
+    The zeros are an untouched anonymous mapping: no memory is used."""
+    a = b"resilient"
+    with mmap.mmap(-1, n) as zeros:
+        assert crc_combine(crc(a), crc(zeros), n) == crc(zeros, crc(a))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("bad", [
+    {"offset": 0, "length": -1, "checksum": "crc32c:00000000"},       # once looped forever
+    {"offset": 0, "length": 4, "checksum": "crc32c:xyz"},
+    {"offset": 0, "length": 4, "checksum": "crc32c:1234567890"},
+    {"offset": "0", "length": 4, "checksum": "crc32c:00000000"},
+    {"offset": 0, "length": True, "checksum": "crc32c:00000000"},
+    {"offset": 0, "length": 4, "checksum": 7},
+    {"offset": 2, "length": 4, "checksum": "crc32c:00000000"},        # does not start at 0
+])
+def test_object_crcs_leaves_out_what_it_cannot_vouch_for(bad):
+    good = {"object": "a/r00000-p0000.bin", "offset": 0, "length": 3, "checksum": f"crc32c:{crc(b'abc'):08x}"}
+    doc = json.dumps({"tensors": {"t": {"chunks": [good, {"object": "a/r00000-p0001.bin", **bad}]}}})
+    assert object_crcs(doc) == {"a/r00000-p0000.bin": (crc(b"abc"), 3)}
+    assert object_crcs(b"{not json") == {} and object_crcs(b'{"tensors": 3}') == {}
 
 
 def written_version(tmp_path) -> tuple[os.PathLike, dict[str, int]]:
@@ -42,7 +70,8 @@ def test_object_crcs_match_the_part_files(tmp_path):
     parts = sorted(p.relative_to(vdir).as_posix() for p in vdir.glob("*/r00000-p*.bin"))
     assert len(parts) > 1 and sorted(crcs) == parts
     for obj in parts:
-        assert crcs[obj] == crc((vdir / obj).read_bytes())
+        data = (vdir / obj).read_bytes()
+        assert crcs[obj] == (crc(data), len(data))
 
 
 @pytest.fixture
@@ -70,6 +99,10 @@ def test_a_part_damaged_in_the_senders_store_is_refused_by_the_peer(tmp_path, pe
         other = rel.replace("-p0000", "-p0009")
         with pytest.raises(PeerError, match="refused"):
             c.put_file(other, vdir / obj, crcs[obj])
+        (vdir / obj).write_bytes(bytes(damaged) + b"tail")  # another size: refused before sending
+        with pytest.raises(SnapshotCorrupt, match="add up to"):
+            c.put_file(other, vdir / obj, crcs[obj])
+        c.put(other.replace("-p0009", "-p0008"), b"the connection is still usable")
     assert not store.file(other).exists()
     assert not [p for p in store.file(other).parent.iterdir() if ".tmp-" in p.name]
 
@@ -86,8 +119,9 @@ def test_a_full_store_refuses_a_replica_and_keeps_serving():
         srv = PeerServer(store, SECRET, host="127.0.0.1")
         try:
             with PeerClient(srv.address, SECRET) as c:
-                with pytest.raises(PeerError, match="No space left"):
-                    c.put(rel, os.urandom(2 << 20))
+                for size in (2 << 20, 8 << 20):  # 8 MiB: more than the socket buffers hold
+                    with pytest.raises(PeerError, match="No space left"):
+                        c.put(rel, os.urandom(size))
             assert not store.file(rel).exists()
             assert not [p for p in store.file(rel).parent.iterdir() if ".tmp-" in p.name]
             with PeerClient(srv.address, SECRET) as c:  # the server lives on, with room again

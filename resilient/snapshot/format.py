@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import zlib
+from array import array
 
 import crc32c as _crc32c
 from typing import Any
@@ -97,30 +99,33 @@ def _mulmod(a: int, b: int) -> int:
 
 def _x2n_table() -> list[int]:
     t, p = [], 1 << 30  # x^1
-    for _ in range(32):
+    for _ in range(64):  # no wrap-around: for this polynomial x^(2^32) is not x (zlib's CRC-32 has that)
         t.append(p)
         p = _mulmod(p, p)
     return t
 
 
-_X2N = _x2n_table()  # x^(2^k) mod P
+_X2N = _x2n_table()  # x^(2^k) mod P, k < 64: lengths below 2^61 bytes
+_HEX8 = re.compile(r"[0-9a-f]{8}")
 
 
 @functools.lru_cache(maxsize=1024)  # chunk lengths repeat: most are chunk_bytes
-def _shift_tables(nbytes: int) -> tuple[list[int], ...]:
+def _shift_tables(nbytes: int) -> tuple[array, ...]:
     """Multiplying by x^(8 * nbytes) mod P (appending ``nbytes`` zero bytes), as four
     byte-indexed tables: the product is linear in the multiplicand, so it is the XOR of
     the products of its four bytes. Each table is built from 8 products by XOR."""
+    if not 0 <= nbytes < 1 << 61:
+        raise ValueError(f"a length of {nbytes} bytes")
     p, k, n = 1 << 31, 3, nbytes
     while n:
         if n & 1:
-            p = _mulmod(_X2N[k & 31], p)
+            p = _mulmod(_X2N[k], p)
         n >>= 1
         k += 1
     tables = []
     for j in range(4):
         basis = [_mulmod(p, 1 << (8 * j + b)) for b in range(8)]
-        t = [0] * 256
+        t = array("I", bytes(4 * 256))
         for v in range(1, 256):
             low = v & -v
             t[v] = t[v ^ low] ^ basis[low.bit_length() - 1]
@@ -134,14 +139,16 @@ def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
 
 
-def object_crcs(doc: bytes | str) -> dict[str, int]:
-    """CRC-32C of each whole object named by the rank manifest ``doc`` whose chunks tile
-    it end to end (every part, as the writers lay them out), combined from the chunks'
-    checksums: the CRC of the bytes as they were captured, not as a file holds them now.
+def object_crcs(doc: bytes | str) -> dict[str, tuple[int, int]]:
+    """``{object: (crc, size)}`` for each object named by the rank manifest ``doc`` whose
+    chunks tile it from byte 0 without gaps or overlaps (every part, as the writers lay
+    them out): its CRC-32C combined from the chunks' checksums, i.e. of the bytes as they
+    were captured, not as a file holds them now, and the size they add up to.
 
     Reads only the fields it needs, without :func:`manifest_from_json`'s checks (5 ms
-    for the demo's 156 chunks: more than checksumming the parts). A manifest it cannot
-    read gives ``{}``: the caller checksums the files instead, and a restore judges it."""
+    for the demo's 156 chunks: more than checksumming the parts). An object it cannot
+    vouch for is left out (a manifest it cannot read gives ``{}``): the caller then
+    checksums the file itself, and a restore judges the manifest."""
     by_obj: dict[str, list] = {}
     try:
         for t in json.loads(doc)["tensors"].values():
@@ -152,13 +159,17 @@ def object_crcs(doc: bytes | str) -> dict[str, int]:
     out = {}
     for obj, chunks in by_obj.items():
         value, end = 0, 0
-        for offset, length, check in sorted(chunks):
-            algo, _, hexval = str(check).partition(":")
-            if algo != "crc32c" or offset != end or not isinstance(length, int):
-                break
-            value, end = crc_combine(value, int(hexval, 16), length), end + length
-        else:
-            out[obj] = value
+        try:
+            for offset, length, check in sorted(chunks):
+                algo, _, hexval = check.partition(":")
+                if (algo != "crc32c" or not _HEX8.fullmatch(hexval) or type(offset) is not int
+                        or type(length) is not int or offset != end or not 0 <= length < 1 << 61):
+                    break
+                value, end = crc_combine(value, int(hexval, 16), length), end + length
+            else:
+                out[obj] = (value, end)
+        except (TypeError, AttributeError):  # mixed types in a damaged manifest
+            continue
     return out
 
 

@@ -40,7 +40,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from resilient.snapshot.api import SnapshotError, SnapshotIncomplete, StorageError
+from resilient.snapshot.api import SnapshotCorrupt, SnapshotError, SnapshotIncomplete, StorageError
 from resilient.snapshot.format import crc
 from resilient.snapshot.nodestore import NodeStore, check_rel
 from resilient.snapshot.priority import REPLICATION_NICE, background_priority
@@ -88,6 +88,15 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError("peer closed the connection")
         got += k
+
+
+def _discard(sock: socket.socket, n: int) -> None:
+    """Read and drop ``n`` bytes from the socket."""
+    scratch = memoryview(bytearray(min(n, PIECE)))
+    while n > 0:
+        k = min(n, PIECE)
+        _recv_into(sock, scratch[:k])
+        n -= k
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -156,14 +165,19 @@ class _Handler(socketserver.BaseRequestHandler):
                 background_priority(REPLICATION_NICE)
                 self._niced = True
             size, sent_crc = int(req["size"]), int(req["crc"])
-            w = store.writer(rel)
+            w = None
             try:
+                w = store.writer(rel)
                 w.receive(size, lambda view: _recv_into(sock, view), PIECE)
                 w.commit(size, sent_crc)
             except BaseException as e:
-                w.abort()
+                if w is not None:
+                    w.abort()
                 if isinstance(e, (ConnectionError, socket.timeout)):
                     raise
+                # A full store fails before the payload is read: read past it, or the
+                # refusal is lost (the client would see a reset, not why).
+                _discard(sock, size - (w.size if w is not None else 0))
                 _send(sock, {"ok": False, "error": f"{type(e).__name__}: {e}"})
                 return
             _send(sock, {"ok": True})
@@ -249,26 +263,32 @@ class PeerClient:
         view = memoryview(data).cast("B")
         self._put(rel, len(view), crc(view), lambda i, n: self.sock.sendall(view[i:i + n]))
 
-    def put_file(self, rel: str, path: str | os.PathLike, expect_crc: int | None = None) -> int:
+    def put_file(self, rel: str, path: str | os.PathLike, expect: tuple[int, int] | None = None) -> int:
         """Store the local file ``path`` as ``rel`` on the peer, like :meth:`put`; returns its size.
 
         Why not ``put(rel, read(path))``: a replica is pushed every version, and a read
         into a Python buffer is one more copy of the state per push. The bytes go out with
         ``sendfile`` (the kernel copies from the page cache to the socket).
 
-        ``expect_crc``: the CRC-32C the file must have (combined from its rank manifest's
-        chunk checksums, :func:`~resilient.snapshot.format.object_crcs`); the peer checks
-        what it receives against it, so a copy damaged in this store is refused there, and
-        the file is not read once more to checksum it. Without it, the checksum is taken
-        over a read-only mapping of the file."""
+        ``expect``: the ``(CRC-32C, size)`` the file must have (from its rank manifest's
+        chunks, :func:`~resilient.snapshot.format.object_crcs`). A file of another size is
+        :class:`SnapshotCorrupt` here; the peer checks the bytes it receives against the
+        CRC, so a copy damaged in this store is refused there, and the file is not read
+        once more to checksum it. Without it, the checksum is taken over a read-only
+        mapping of the file."""
         try:
             f = open(path, "rb")
         except FileNotFoundError:
             raise SnapshotIncomplete(f"{path}: not in this node's store", str(path)) from None
         with f:
             size = os.fstat(f.fileno()).st_size
-            value = expect_crc or 0
-            if size and expect_crc is None:
+            value = 0
+            if expect is not None:
+                value, want = expect
+                if size != want:
+                    raise SnapshotCorrupt(f"{path}: {size} bytes in this node's store, its rank manifest's "
+                                          f"chunks add up to {want}: damaged, not replicated", str(path))
+            elif size:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                     value = crc(mm)
 
