@@ -163,14 +163,14 @@ def judge(lo: float, hi: float, med: float, limit: float) -> tuple[bool | None, 
     return None, f"{d}: the interval straddles the {limit * 100:g}% goal, not judged"
 
 
-def push_cost() -> dict | None:
+def push_cost(mb: int) -> dict | None:
     """bench/push_cost.py's figure: the agents' share of ``snap`` in isolation."""
     import json
     import subprocess
 
     try:
-        out = subprocess.run([sys.executable, str(BENCH / "push_cost.py")], capture_output=True, text=True,
-                             timeout=300)
+        out = subprocess.run([sys.executable, str(BENCH / "push_cost.py"), "--mb", str(mb),
+                              "--reps", "40" if mb < 64 else "8"], capture_output=True, text=True, timeout=300)
         got = json.loads(out.stdout.strip().splitlines()[-1])
         return got if {"bytes", "cpu_ms", "wall_ms", "reps"} <= set(got) else None
     except (subprocess.TimeoutExpired, IndexError, ValueError, TypeError):
@@ -250,10 +250,12 @@ def run(quick: bool) -> dict:
              "Loads before/after: " + "; ".join(loads) + ".",
              f"Command (RUN = a temp dir; per node, etcd on loopback; env {ENV}={spec} and "
              f"PYTHONPATH=bench/overhead_hook): `{cmd}`"]
-    push = push_cost()
-    if push:
-        notes.append(f"One replica push of a demo-sized rank version ({push['bytes'] / 1e6:.1f} MB) between two node "
-                     f"stores, both ends in one process, caches cold: {push['cpu_ms']} ms CPU, {push['wall_ms']} ms wall "
-                     f"(median of {push['reps']}; `python bench/push_cost.py`, which also A/Bs another checkout).")
+    for mb in (7, 256):
+        push = push_cost(mb)
+        if push:
+            notes.append(f"One replica push of a {push['bytes'] / 1e6:.1f} MB rank version between two node stores "
+                         f"({'the demo rank' if mb == 7 else 'a larger rank'}; both ends in one process, caches "
+                         f"cold): {push['cpu_ms']} ms CPU, {push['wall_ms']} ms wall (median of {push['reps']}; "
+                         f"`python bench/push_cost.py --mb {mb}`, which also A/Bs another checkout).")
     return row("Steady-state step overhead: snapshots + replication, SDC checks, vs off (interleaved blocks)",
                figures, out_ratios, goals, notes)
