@@ -130,3 +130,49 @@ def test_a_full_store_refuses_a_replica_and_keeps_serving():
         finally:
             srv.close()
             store.remove()
+
+
+def test_the_agents_push_sends_intact_parts_without_rereading_and_refuses_a_damaged_one(tmp_path, peer,
+                                                                                        monkeypatch):
+    """``Replicator._push`` (the agent's replication of a rank): parts go out with the CRC
+    from the rank manifest, the manifest last; a part damaged in this node's store stops
+    the rank's push before its manifest, so the peer never holds the rank as whole."""
+    from resilient.snapshot import peer as peer_mod
+    from resilient.snapshot.memcommit import Replicator, ReplicatorOptions
+
+    dest, srv = peer
+    src = NodeStore(tmp_path / "src", "job", "n0")
+    src.create()
+    rep = Replicator(src, None, "job", "n0", SECRET, lambda: {}, ReplicatorOptions(), None)
+    try:
+        state = {"w": torch.randn(3000, 7), "b": torch.arange(50.0)}
+        with Snapshotter(src.url, commit=False, compress="none", chunk_bytes=4000, part_bytes=30000) as snap:
+            for step in (1, 2):
+                snap.save(step, state)
+                assert snap.wait()
+        v1, v2 = src.versions()
+
+        expected = []
+        put_file = peer_mod.PeerClient.put_file
+
+        def recording(self, rel, path, expect=None):
+            expected.append(expect)
+            return put_file(self, rel, path, expect)
+        monkeypatch.setattr(peer_mod.PeerClient, "put_file", recording)
+        rep._push("n1", srv.address, v1, [0])
+        files = src.rank_files(v1.step, v1.attempt, 0)
+        assert len(files) > 2 and all(dest.read(rel) == src.read(rel) for rel in files)
+        assert len(expected) == len(files) - 1 and None not in expected  # every part: CRC from the manifest
+
+        *parts, manifest = src.rank_files(v2.step, v2.attempt, 0)
+        damaged = bytearray(src.read(parts[1]))
+        damaged[7] ^= 0x01
+        src.file(parts[1]).write_bytes(bytes(damaged))
+        with pytest.raises(PeerError, match="refused"):
+            rep._push("n1", srv.address, v2, [0])
+        assert dest.read(parts[0]) == src.read(parts[0])  # sent before the damaged one
+        assert not dest.file(manifest).exists() and not dest.file(parts[1]).exists()
+        assert [v.step for v in dest.versions()] == [1]   # step 2 is not a version on the peer
+    finally:
+        rep.close()
+        src.remove()
