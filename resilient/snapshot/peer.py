@@ -92,7 +92,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 
 def _discard(sock: socket.socket, n: int) -> None:
     """Read and drop ``n`` bytes from the socket."""
-    scratch = memoryview(bytearray(min(n, PIECE)))
+    scratch = memoryview(bytearray(max(0, min(n, PIECE))))
     while n > 0:
         k = min(n, PIECE)
         _recv_into(sock, scratch[:k])
