@@ -194,3 +194,12 @@ def test_a_rank_rings_the_agents_doorbell_after_each_version(store):
     finally:
         bell.close()
     assert not (store.path / BELL).exists()
+
+
+def test_a_stray_file_in_a_version_directory_does_not_stop_the_listing(store):
+    """The replicator lists versions every turn, outside its error handling: a file where
+    an attempt directory belongs once raised NotADirectoryError and ended replication."""
+    _put(store, _part(3), b"v")
+    _put(store, _manifest(3), b"{}")
+    (store.path / "step-000000000003" / "manifest.json").write_text("{}")
+    assert [(v.step, v.ranks) for v in store.versions()] == [(3, frozenset({0}))]
