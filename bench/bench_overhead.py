@@ -33,9 +33,11 @@ cores it is what the step time pays. It is stated, not judged.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -165,9 +167,6 @@ def judge(lo: float, hi: float, med: float, limit: float) -> tuple[bool | None, 
 
 def push_cost(mb: int) -> dict | None:
     """bench/push_cost.py's figure: the agents' share of ``snap`` in isolation."""
-    import json
-    import subprocess
-
     try:
         out = subprocess.run([sys.executable, str(BENCH / "push_cost.py"), "--mb", str(mb),
                               "--reps", "40" if mb < 64 else "8"], capture_output=True, text=True, timeout=300)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     a, b = NodeStore(base, "job", "a"), NodeStore(base, "job", "b")
     a.create(), b.create()
     srv = PeerServer(b, SECRET, host="127.0.0.1")
+    # The agent's push code, without its thread and etcd: only what _push reads.
+    rep = Replicator.__new__(Replicator)
+    rep.store, rep.secret, rep.opts, rep._clients = a, SECRET, ReplicatorOptions(), {}
     try:
         n = int(args.mb * (1 << 20)) // 4
         state = {f"t{i}": torch.randn(n // 96 + (i < n % 96)) for i in range(96)}  # demo-like: 96 tensors
@@ -51,9 +55,6 @@ def main(argv: list[str] | None = None) -> int:
             snap.save(1, state)
             assert snap.wait()
         version = a.versions()[-1]
-        # The agent's push code, without its thread and etcd: only what _push reads.
-        rep = Replicator.__new__(Replicator)
-        rep.store, rep.secret, rep.opts, rep._clients = a, SECRET, ReplicatorOptions(), {}
         junk = torch.empty(16 << 20)
         cpu, wall = [], []
         for i in range(args.reps + 2):
@@ -68,11 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                           "cpu_ms": round(statistics.median(cpu) * 1e3, 2),
                           "wall_ms": round(statistics.median(wall) * 1e3, 2)}))
     finally:
-        for c in rep._clients.values() if "rep" in locals() else ():
+        for c in rep._clients.values():
             c.close()
         srv.close()
         a.remove(), b.remove()
-        import shutil
         shutil.rmtree(base, ignore_errors=True)
     return 0
 
