@@ -70,12 +70,14 @@ class Loop:
         from resilient.parallel import build_layout, build_model
         from resilient.sdc.api import SdcConfig
         from resilient.sdc.monitor import SdcMonitor
+        from resilient.train_state import init_optimizer_state
 
         over = {**sets, "train.steps": steps, "data.path": corpus, "data.source": ""}
         self.cfg = load_config(DEMO, [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in over.items()])
         self.layout = build_layout(self.cfg, "cpu")
         self.model = build_model(self.cfg, self.layout, torch.device("cpu"), torch.float32)
         self.opt = Optimizers(self.model.parts, self.cfg.train)
+        init_optimizer_state(self.model, self.opt)   # as the trainer does (packs Adam's state)
         self.corpus = TokenCorpus(corpus, self.cfg.train.seq_len, self.cfg.train.seed, self.cfg.data.val_fraction)
         self.mon = SdcMonitor(SdcConfig(**(sdc_kw or {})), device="cpu") if sdc else None
         if self.mon is not None:
@@ -121,6 +123,12 @@ class Loop:
         self.opt.zero_grad()
         if self.mon is not None:
             decisions.append(self.mon.after_optimizer_step(step + 1, self.model.parts))
+        if self.mon is None or self.mon.loss_mean is None:
+            # the trainer's mean loss for its log: with the checks on it comes from their exchange
+            import torch
+            import torch.distributed as dist
+
+            dist.all_reduce(torch.tensor(float(loss) if loss is not None else 0.0, dtype=torch.float64))
         self.step += 1
         return decisions
 

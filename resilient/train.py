@@ -202,7 +202,9 @@ class Trainer:
         self.optimizer.zero_grad()
         if self.sdc is not None:
             self._act_on(self.sdc.after_optimizer_step(step + 1, self.model.parts))
-        loss = self._global_mean(local_loss)
+        # the SDC exchange already gathered every rank's loss: no second collective for the log
+        loss = self.sdc.loss_mean if self.sdc is not None and self.sdc.loss_mean is not None else (
+            self._global_mean(local_loss))
         self.step += 1
         seconds = time.perf_counter() - t0
         tokens = cfg.global_batch * cfg.seq_len

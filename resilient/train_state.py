@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from resilient.config import Config
 from resilient.events import EventLog
-from resilient.optim import Optimizers
+from resilient.optim import Optimizers, init_state
 from resilient.parallel import ParallelModel
 from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter, rng_state, set_rng_state
 from resilient.sdc.checksums import local as _local
@@ -76,32 +76,10 @@ class Marks:
 
 
 def init_optimizer_state(model: ParallelModel, optimizers: Optimizers) -> None:
-    """Materialize AdamW's state (zeros, step 0) so a restore has tensors to fill.
-
-    torch's ``get_state_dict`` does this with a zero-gradient optimizer step: a full
-    Adam pass over every parameter (measured: 1.4 s for a 92M-parameter model on one
-    core here), paid at every worker start, which a restart's recovery waits for. Adam's
-    own lazy initialization (``_init_group``, given placeholder gradients it does not
-    read) creates the same zero tensors without the arithmetic; torch's way stays the
-    fallback for an optimizer without it. Either way the step counters end at 0, so a
-    run that never restores is bitwise identical to one that never took a snapshot.
-    """
+    """Materialize AdamW's state (zeros, step 0) so a restore has tensors to fill,
+    packed into one flat buffer (:func:`resilient.optim.init_state`)."""
     for part, opt in zip(model.parts, optimizers.optimizers):
-        try:
-            for group in opt.param_groups:
-                params = [p for p in group["params"] if p.requires_grad and p.grad is None]
-                for p in params:
-                    p.grad = torch.empty_like(p)
-                try:
-                    opt._init_group(group, [], [], [], [], [], [])
-                finally:
-                    for p in params:
-                        p.grad = None
-        except (AttributeError, TypeError):  # not torch's Adam family: its own way
-            get_state_dict(part, opt)
-        for state in opt.state.values():
-            if "step" in state:
-                state["step"].zero_()
+        init_state(opt, part)
 
 
 class TrainState:
@@ -241,6 +219,7 @@ class TrainState:
                            optim_state_dict={"state": {k: v for k, v in state["optim"].items() if k in names},
                                              "param_groups": groups})
         self._state = None  # set_state_dict may have replaced optimizer state tensors
+        self.optimizer.pack_state()  # ... then pack them again
 
     def _restore_tiered(self, state: dict, max_step: int | None = None,
                         arena: torch.Tensor | None = None, direct: bool = False) -> Restored | None:

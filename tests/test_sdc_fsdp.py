@@ -59,9 +59,12 @@ def _bad_matmul(a, b):
 
 
 def train(rank, world, seed=0, shape=(16, 32, 8), steps=5, flips=(), mp=None, monitor=True, cfg_kw=None, events=None,
-          bad_probe_rank=None):
+          bad_probe_rank=None, packed=False):
     """Run ``steps`` steps; apply ``flips`` (FlipSpec dicts; element=None → the
-    local median-magnitude element); return decisions and final local params."""
+    local median-magnitude element); return decisions and final local params.
+    ``packed``: the optimizer state is materialized up front in one flat buffer,
+    as the trainer does (:func:`resilient.optim.init_state`); else Adam creates it
+    lazily, one tensor each."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -79,6 +82,9 @@ def train(rank, world, seed=0, shape=(16, 32, 8), steps=5, flips=(), mp=None, mo
     fully_shard(net.fc1, mesh=mesh, mp_policy=policy)
     fully_shard(net.fc2, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    if packed:
+        from resilient.optim import init_state
+        init_state(opt, net)
     from resilient.events import EventLog
     from resilient.sdc.probes import Prober
     prober = Prober("cpu", dtypes=("float32",), matmul_n=32, reduce_n=1024, matmul=_bad_matmul) if rank == bad_probe_rank else None
@@ -148,7 +154,9 @@ def train(rank, world, seed=0, shape=(16, 32, 8), steps=5, flips=(), mp=None, mo
         if step == 1 and bad_probe_rank is not None:
             mon.prober.run_once("periodic")   # what the background thread does every probe_every seconds
     params = {n: (p._local_tensor if hasattr(p, "_local_tensor") else p).detach().clone() for n, p in net.named_parameters()}
-    return {"log": log, "stopped": stopped, "params": params}
+    storages = {(v._local_tensor if hasattr(v, "_local_tensor") else v).untyped_storage().data_ptr()
+                for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()}
+    return {"log": log, "stopped": stopped, "params": params, "state_storages": len(storages)}
 
 
 # ---------------------------------------------------------------- tests
@@ -159,10 +167,14 @@ def _flat(logs):
 def test_clean_run_raises_nothing_and_matches_unchecked(pool):
     checked = pool.run(train, 0, (16, 32, 8), 6)
     plain = pool.run(train, 0, (16, 32, 8), 6, (), None, False)
+    packed = pool.run(train, 0, (16, 32, 8), 6, (), None, True, None, None, None, True)
     for r in range(2):
         assert checked[r]["log"] == [] and checked[r]["stopped"] is None
-        for n, t in checked[r]["params"].items():   # the checks change no bit of training
+        assert packed[r]["log"] == [] and packed[r]["stopped"] is None
+        assert packed[r]["state_storages"] == 1 and checked[r]["state_storages"] > 1   # packed, and stays so
+        for n, t in checked[r]["params"].items():   # the checks change no bit of training, nor does packing
             assert torch.equal(t, plain[r]["params"][n]), n
+            assert torch.equal(packed[r]["params"][n], plain[r]["params"][n]), n
 
 
 @pytest.mark.parametrize("tensor,bit", [("fc1.weight", 31), ("fc1.weight", 30), ("fc1.weight", 23), ("fc1.weight", 22),
@@ -211,11 +223,13 @@ def test_param_flip_at_rest_detected_next_step(pool, bit):
         assert log[0]["verdicts"] == {0: "transient"} and log[0]["rollback_to"] == 0
 
 
-@pytest.mark.parametrize("key,bit", [("exp_avg", 31), ("exp_avg_sq", 27), ("exp_avg", 12), ("step", 23)])
-def test_optimizer_state_flip_at_rest_is_caught_before_the_step_that_reads_it(pool, key, bit):
+@pytest.mark.parametrize("key,bit,packed", [("exp_avg", 31, False), ("exp_avg_sq", 27, False), ("exp_avg", 12, False),
+                                            ("step", 23, False), ("exp_avg", 31, True), ("exp_avg_sq", 12, True),
+                                            ("step", 23, True)])
+def test_optimizer_state_flip_at_rest_is_caught_before_the_step_that_reads_it(pool, key, bit, packed):
     flip = {"target": "optim_state", "tensor": "fc1.weight", "bit": bit, "rank": 1, "step": 1, "element": None,
             "state_key": key}
-    res = pool.run(train, 0, (16, 32, 8), 3, (flip,))
+    res = pool.run(train, 0, (16, 32, 8), 3, (flip,), None, True, None, None, None, packed)
     for r in range(2):
         log = res[r]["log"]
         assert log[0]["step"] == 2 and log[0]["action"] == "rollback", log   # after backward, before the optimizer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from launchutil import REPO, digests, events, run_launch, tiny_overrides
+from launchutil import REPO, digests, events, losses, run_launch, tiny_overrides
 
 DEMO = REPO / "configs" / "demo.toml"
 pytestmark = pytest.mark.slow
@@ -24,6 +24,15 @@ def reference(corpus, tmp_path_factory):
     run_launch(DEMO, run, tiny_overrides(corpus, 6, **{"snapshot.durable_every": 1}), nproc=2)
     assert not events(run, "sdc_suspect"), "false positive on a clean run"
     return run
+
+
+def test_checks_change_no_bit_and_the_logged_loss_rides_in_their_exchange(corpus, tmp_path, reference):
+    """SDC off: the loop all-reduces the loss for its log; on, it takes the mean of the
+    losses the monitor gathered anyway. Same parameters, same logged losses, bit for bit."""
+    run = tmp_path / "off"
+    run_launch(DEMO, run, tiny_overrides(corpus, 6, **{"snapshot.durable_every": 1, "sdc.enable": False}), nproc=2)
+    assert digests(run) == digests(reference)
+    assert losses(run) == losses(reference) and len(losses(run)) == 6
 
 
 def test_gradient_flip_is_replayed_away(corpus, tmp_path, reference):

@@ -284,10 +284,46 @@ def test_bitsums_plan_matches_per_tensor_bitsums_with_scalars_and_mixed_dtypes()
     ts = [torch.randn(7), torch.tensor(3.0), torch.randn(3, 4).bfloat16(), torch.tensor(7.0),
           torch.tensor(2.5, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)]
     plan = BitSums(ts)
-    assert plan().tolist() == [int(bitsum(t)) for t in ts]
+    assert sorted(plan.entries) == [(i,) for i in range(len(ts))]   # nothing packed: one entry per tensor
+    by_tensor = lambda: {e[0]: v for e, v in zip(plan.entries, plan().tolist())}   # noqa: E731
+    assert by_tensor() == {i: int(bitsum(t)) for i, t in enumerate(ts)}
     ts[3].add_(1)                                    # updated in place: the plan still applies
-    assert plan.same(ts) and plan().tolist() == [int(bitsum(t)) for t in ts]
+    assert plan.same(ts) and by_tensor() == {i: int(bitsum(t)) for i, t in enumerate(ts)}
     assert not plan.same(ts[:-1] + [torch.randn(2, 2, dtype=torch.float64)])
+
+
+def test_bitsums_of_a_packed_run_are_block_sums_that_name_the_tensors_they_cover():
+    from resilient.sdc.atrest import BLOCK, AtRest, BitSums
+
+    torch.manual_seed(2)
+    flat = torch.randn(3 * BLOCK + 100)
+    a, b, c = flat[:BLOCK + 50], flat[BLOCK + 50:3 * BLOCK].view(2, -1), flat[3 * BLOCK:]
+    ts = [torch.tensor(1.0), c, torch.randn(5), a, b]          # list order is not storage order
+    plan = BitSums(ts)
+    assert [e for e in plan.entries if e[0] in (1, 3, 4)] == [(3,), (3, 4), (4,), (1,)]   # blocks of the run
+    vals = dict(zip(plan.entries, plan().tolist()))
+    assert sum(vals[e] for e in [(3,), (3, 4), (4,), (1,)]) % (1 << 32) == sum(int(bitsum(t)) for t in (a, b, c)) % (1 << 32)
+    rest = AtRest("optim_state_at_rest")
+    named = list(zip(["s", "c", "w", "a", "b"], ts))
+    rest.record(1, named)
+    flip_bit(b, 3, 30)                               # in b, inside the block a and b share
+    sus = rest.verify(2, ts, rank=0, device="d")
+    assert [(s.tensor, s.harmless) for s in sus] == [("a | b", False)] and abs(sus[0].evidence["bitsum_delta"]) == 1 << 30
+    # two blocks of one tensor moved: a harmless-looking bit-0 flip must not hide a real one
+    # (the monitor merges suspicions by name, so they come as one)
+    rest.record(3, named)
+    flip_bit(b, 5, 0)                                # b's block shared with a
+    flip_bit(b, BLOCK + 7, 30)                       # b's own block
+    sus = rest.verify(4, ts, rank=0, device="d")
+    assert [(s.tensor, s.harmless) for s in sus] == [("a | b", True), ("b", False)]
+    big = torch.zeros(3 * BLOCK)
+    ts2 = [big[:2 * BLOCK + 5], big[2 * BLOCK + 5:]]
+    rest2 = AtRest("optim_state_at_rest")
+    rest2.record(1, [("m", ts2[0]), ("v", ts2[1])])
+    flip_bit(ts2[0], 1, 0)
+    flip_bit(ts2[0], BLOCK + 1, 30)
+    sus = rest2.verify(2, ts2, rank=0, device="d")
+    assert [(s.tensor, s.harmless) for s in sus] == [("m", False)] and len(sus[0].evidence["bitsum_delta"]) == 2
 
 
 def test_at_rest_record_catches_every_flip_once_and_names_the_tensor():
@@ -305,3 +341,14 @@ def test_at_rest_record_catches_every_flip_once_and_names_the_tensor():
     assert rest.verify(5, [t for _, t in named], rank=1, device="d") == []   # single use
     rest.record(5, named)
     assert rest.verify(6, [t for _, t in named][:2], rank=1, device="d")[0].tensor == "*"   # the set changed
+
+
+def test_loss_mean_from_the_exchange_counts_only_ranks_that_hold_a_loss():
+    from resilient.sdc.monitor import SdcMonitor
+
+    mon = SdcMonitor(SdcConfig(), device="cpu")
+    # (loss, has_loss, n_suspicions) per rank: a pipeline's first stage holds none
+    mon._note_losses(torch.tensor([[2.5, 1, 0], [0.0, 0, 0], [4.0, 1, 0]], dtype=torch.float64))
+    assert mon.loss_mean == 3.25
+    mon._note_losses(torch.zeros(3, 3, dtype=torch.float64))
+    assert mon.loss_mean is None

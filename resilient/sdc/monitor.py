@@ -143,6 +143,9 @@ class SdcMonitor:
         self.resting = Resting()   # parameters and optimizer state: hashed after a due step, verified at the next
         self._last_verified = -1   # newest step whose parameters a check verified clean
         self._external: list[Suspicion] = []
+        # the mean loss over the ranks that have one, from this step's exchange: the loop's own
+        # all-reduce of the loss for its log would move the same numbers again (see :meth:`_note_losses`)
+        self.loss_mean: float | None = None
         self._spent = Spent()   # in the hooks (the reduce-scatter wrappers keep their own)
         self._probe_seen = 0
         self._named: tuple[list, list] | None = None   # (each part's first parameter, named parameters)
@@ -283,6 +286,16 @@ class SdcMonitor:
         dist.all_gather(out, v.to(dev), group=self.group)
         return torch.stack(out).cpu()
 
+    def _note_losses(self, scalars: torch.Tensor) -> None:
+        """Keep the mean of the gathered losses (``None`` when no rank has one).
+
+        Every rank already sends its loss for the loss checks; the mean over the ranks
+        that hold one is the data-parallel mean the loop logs (tensor-parallel ranks of
+        a replica hold the same loss, pipeline stages but the last hold none), so the
+        loop can skip a collective of its own each step."""
+        have = scalars[:, 1] != 0
+        self.loss_mean = float(scalars[have, 0].sum()) / int(have.sum()) if bool(have.any()) else None
+
     def _at_rest_check(self, step: int, model_parts: Parts) -> tuple[list[Suspicion], int | None]:
         return self.resting.verify(step, self._params(model_parts), self.rank, self._devices()[self.rank])
 
@@ -324,6 +337,7 @@ class SdcMonitor:
     @torch.no_grad()
     def after_backward(self, step: int, model_parts: Parts, loss: torch.Tensor | float | None) -> Decision:
         """Gradient-side checks of ``step``; call after backward, before the optimizer."""
+        self.loss_mean = None
         if not self.cfg.enable:
             return Decision()
         self._devices()   # collective on first use: every rank must reach it here
@@ -354,6 +368,7 @@ class SdcMonitor:
             agreed += chk.judge(step, scalars[:, off:off + k].reshape(self.world, *t.shape), judge_spikes=True)
             off += k
         scalars = scalars[:, :3]
+        self._note_losses(scalars)
         loss_sus = self._loss_checks(step, scalars, judge=grads_due)
         sus = mine
         if scalars[:, 2].max() > 0:
@@ -396,6 +411,7 @@ class SdcMonitor:
         mine = [s for s in self._grad_checks(step, judge=False) if not s.harmless]
         lval = float(loss) if loss is not None else None
         scalars = self._exchange_scalars(lval, len(mine))
+        self._note_losses(scalars)
         mine += [s for s in self._loss_checks(step, scalars, judge=False) if s.rank == self.rank]
         fp = fingerprint((n, p.grad) for n, p in _named_params(model_parts))
         match, detail = compare(self.sm.original, fp)
