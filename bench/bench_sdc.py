@@ -502,12 +502,16 @@ def run(quick: bool) -> dict:
                  f"and the reduce-scatter wrappers' sums, per checked step, over the rest of that step, the larger of "
                  f"the 2 ranks. Judged on process CPU: on this shared 2-core machine wall time also counts waiting for "
                  f"a core. The direct figure includes the monitor's one all_gather per step (its CPU and, in wall "
-                 f"time, the wait for the slower rank, which the next collective would otherwise pay).")
+                 f"time, the wait for the slower rank, which the next collective would otherwise pay). It also "
+                 f"carries every rank's loss, so the loop takes its logged mean loss from it and skips the all-reduce "
+                 f"it makes without the checks (the plain loop here makes it too, as the trainer does).")
     notes.append(f"Where the SDC CPU time goes (rank 0, median per checked step; % of the plain step's "
                  f"{plain_cpu * 1e3:.0f} ms CPU): {breakdown}; the rest of the hooks (Python glue, suspicion "
-                 f"bookkeeping) makes up the difference to the direct total. On CPU a float64 sum costs ~8x an "
-                 f"fp32 one (the conversion), and each small tensor's bit-sum costs a kernel dispatch: the linear check "
-                 f"(every gradient element read as float64 twice: in and out) and the ~200 at-rest tensors dominate.")
+                 f"bookkeeping) makes up the difference to the direct total. Each is a pass over memory that "
+                 f"forward and backward have just pushed out of the caches: the linear check reads every gradient "
+                 f"element as float64 on the way in and out of the reduction, the at-rest hashes read the parameters "
+                 f"(one kernel per tensor: FSDP2 keeps each shard apart) and Adam's moments (packed into one buffer by "
+                 f"the trainer: one kernel per pass) twice a step.")
     notes.append(walls + ".")
     notes.append("Loads before/after: " + "; ".join(loads) + ". Heat-map: "
                  + ("sdc-heatmap.png" if quick else "results/sdc-heatmap.png") + ".")

@@ -352,3 +352,25 @@ def test_loss_mean_from_the_exchange_counts_only_ranks_that_hold_a_loss():
     assert mon.loss_mean == 3.25
     mon._note_losses(torch.zeros(3, 3, dtype=torch.float64))
     assert mon.loss_mean is None
+
+
+def test_resting_state_walk_is_kept_but_follows_a_loaded_state_dict():
+    from resilient.sdc.atrest import Resting
+
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(2, 2))
+    opt = torch.optim.AdamW([a, b])
+    named = [("a", a), ("b", b)]
+    rest = Resting()
+    rest.optimizers = [opt]
+    assert rest.state_tensors(named) == []                     # no state before the first step
+    a.grad, b.grad = torch.ones(4), torch.ones(2, 2)
+    opt.step()
+    first = rest.state_tensors(named)
+    assert [n for n, _ in first] == ["a.step", "a.exp_avg", "a.exp_avg_sq", "b.step", "b.exp_avg", "b.exp_avg_sq"]
+    sd = opt.state_dict()
+    sd["state"] = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+    opt.load_state_dict(sd)                                     # new tensors in a new mapping
+    again = rest.state_tensors(named)
+    assert [n for n, _ in again] == [n for n, _ in first]
+    assert all(v is opt.state[p][n.split(".")[1]] for (n, v), p in zip(again, [a, a, a, b, b, b]))
+    assert not any(v is w for (_, v), (_, w) in zip(again, first))

@@ -211,16 +211,33 @@ class Resting:
         self.params = AtRest(KIND_AT_REST)
         self.state = AtRest(KIND_STATE_AT_REST)
         self.optimizers: list = []
+        self._slots: tuple | None = None   # (named_params, [(opt.state, its size)], [(state dict, key, name)])
 
     def state_tensors(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """(``param.key``, tensor) of every watched optimizer's state, in parameter order."""
+        """(``param.key``, tensor) of every watched optimizer's state, in parameter order.
+
+        The walk over parameters and state dicts (and the names) is kept while the
+        parameter list and each optimizer's state mapping are the same objects of the
+        same size (``load_state_dict`` installs a new mapping; Adam's first step fills
+        it): it runs twice a step. The tensors are read afresh each time."""
+        maps = [(opt.state, len(opt.state)) for opt in self.optimizers]
+        slots = self._slots
+        if (slots is None or slots[0] is not named_params or len(slots[1]) != len(maps)
+                or any(a is not b or m != n for (a, m), (b, n) in zip(slots[1], maps))):
+            walk = []
+            for opt in self.optimizers:
+                for n, p in named_params:
+                    st = opt.state.get(p)
+                    if st:
+                        walk += [(st, k, f"{n}.{k}") for k, v in st.items() if isinstance(v, torch.Tensor)]
+            slots = self._slots = (named_params, maps, walk)
         out = []
-        for opt in self.optimizers:
-            state = opt.state
-            for n, p in named_params:
-                for k, v in state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        out.append((f"{n}.{k}", v))
+        for st, k, name in slots[2]:
+            v = st.get(k)
+            if not isinstance(v, torch.Tensor):   # an entry changed kind under us: walk again
+                self._slots = None
+                return self.state_tensors(named_params)
+            out.append((name, v))
         return out
 
     def record(self, step: int, named_params: Sequence[tuple[str, torch.Tensor]], *, params: bool,
