@@ -209,7 +209,9 @@ class SdcMonitor:
         optimizer's arithmetic shows up in the replicated parameters instead."""
         if not hasattr(optimizer, "state"):
             raise SdcError(f"{type(optimizer).__name__} has no .state mapping; pass the optimizer itself")
-        self.resting.optimizers.append(optimizer)
+        # the torch optimizers inside ``Optimizers``: its ``.state`` is a new merged dict per call
+        inner = getattr(optimizer, "optimizers", None)
+        self.resting.optimizers += list(inner) if isinstance(inner, (list, tuple)) else [optimizer]
 
     def report(self, suspicions: Iterable[Suspicion]) -> None:
         """Add suspicions from checks run by the loop itself (e.g. the result of
