@@ -104,6 +104,7 @@ class TrainConfig:
     beta1: float = knob(0.9, "AdamW beta1")
     beta2: float = knob(0.95, "AdamW beta2")
     grad_clip: float = knob(1.0, "clip the global gradient norm to this; 0 disables")
+    optimizer_impl: str = knob("fused", "AdamW's implementation: fused (one kernel per parameter group and step), foreach (one per operation), or for-loop (one tensor at a time, torch's reference); each is deterministic, their bits differ", choices=("fused", "foreach", "for-loop"))
     eval_every: int = knob(0, "evaluate the validation loss every N steps; 0 disables")
     eval_batches: int = knob(2, "global batches in one evaluation")
     seed: int = knob(1234, "seed of the model init and of the data order")

