@@ -123,7 +123,7 @@ class Loop:
         self.opt.zero_grad()
         if self.mon is not None:
             decisions.append(self.mon.after_optimizer_step(step + 1, self.model.parts))
-        if self.mon is None or self.mon.loss_mean is None:
+        if self.mon is None or getattr(self.mon, "loss_mean", None) is None:   # getattr: A/B with older code
             # the trainer's mean loss for its log: with the checks on it comes from their exchange
             import torch
             import torch.distributed as dist
