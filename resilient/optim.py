@@ -9,10 +9,10 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor, Replicate
 
 from resilient.config import TrainConfig
+from resilient.optim_state import pack_state
 
 
 class Optimizers:
@@ -76,91 +76,6 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg:
     impl = cfg.optimizer_impl
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              foreach=impl == "foreach", fused=impl == "fused" or None)
-
-
-def init_state(opt: torch.optim.Optimizer, module: torch.nn.Module) -> None:
-    """Materialize ``opt``'s state (zeros, step 0) for ``module``'s parameters, so a
-    restore has tensors to fill, and pack it (:func:`pack_state`).
-
-    torch's ``get_state_dict`` does this with a zero-gradient optimizer step: a full
-    Adam pass over every parameter (measured: 1.4 s for a 92M-parameter model on one
-    core here), paid at every worker start, which a restart's recovery waits for. Adam's
-    own lazy initialization (``_init_group``, given placeholder gradients it does not
-    read) creates the same zero tensors without the arithmetic; torch's way stays the
-    fallback for an optimizer without it. Either way the step counters end at 0, so a
-    run that never restores is bitwise identical to one that never took a snapshot.
-    """
-    try:
-        for group in opt.param_groups:
-            params = [p for p in group["params"] if p.requires_grad and p.grad is None]
-            for p in params:
-                p.grad = torch.empty_like(p)
-            try:
-                opt._init_group(group, [], [], [], [], [], [])
-            finally:
-                for p in params:
-                    p.grad = None
-    except (AttributeError, TypeError):  # not torch's Adam family: its own way
-        get_state_dict(module, opt)
-    for state in opt.state.values():
-        if "step" in state:
-            state["step"].zero_()
-    pack_state(opt)   # one flat buffer: what the SDC checks hash twice a step
-
-
-def pack_state(opt: torch.optim.Optimizer) -> int:
-    """Move ``opt``'s tensor state (Adam's moments) into one flat buffer per device
-    and dtype, each tensor becoming a view of its slice, values unchanged.
-
-    Why: the SDC monitor hashes this state twice a step (after the optimizer
-    writes it, and before the next step reads it), and on CPU one reduction over
-    a flat buffer costs a quarter of ~100 per-tensor ones (measured in the demo's
-    training step: 0.30 vs 1.15 ms for 870k elements). The optimizer updates its
-    state in place, so the views stay views. 0-dim tensors (step counters) stay
-    as they are. A DTensor's view keeps its mesh, placements and global shape.
-    CPU only: packing holds the old and the new copy at once for a moment, which
-    an accelerator's memory may not have room for, and there the per-tensor
-    kernels are queued asynchronously anyway. Returns the number of tensors packed.
-
-    Caveat (torch 2.13): ``copy.deepcopy`` of packed DTensor state raises
-    ("invalid python storage": DTensors sharing one storage); nothing here deep-copies
-    it, and torch's ``get_state_dict`` / ``set_state_dict`` handle it. Copy tensors one
-    by one instead."""
-    slots: dict[tuple, list[tuple[dict, str, torch.Tensor]]] = {}
-    for st in opt.state.values():
-        for k, v in st.items():
-            loc = v._local_tensor if isinstance(v, DTensor) else v
-            if isinstance(v, torch.Tensor) and v.dim() and loc.device.type == "cpu":
-                slots.setdefault((loc.device, loc.dtype), []).append((st, k, v))
-    packed = 0
-    for (device, dtype), items in slots.items():
-        locs = [v._local_tensor if isinstance(v, DTensor) else v for _, _, v in items]
-        if len(items) < 2 or _packed(locs):
-            continue
-        flat = torch.empty(sum(x.numel() for x in locs), dtype=dtype, device=device)
-        off = 0
-        for (st, k, v), loc in zip(items, locs):
-            view = flat[off:off + loc.numel()].view(loc.shape)
-            view.copy_(loc)
-            off += loc.numel()
-            st[k] = (DTensor.from_local(view, v.device_mesh, v.placements, run_check=False, shape=v.shape,
-                                        stride=v.stride()) if isinstance(v, DTensor) else view)
-            packed += 1
-    return packed
-
-
-def _packed(locs: list[torch.Tensor]) -> bool:
-    """Do these tensors already tile one storage contiguously, in this order?"""
-    first = locs[0]
-    if not all(x.is_contiguous() and x.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-               for x in locs):
-        return False
-    off = first.storage_offset()
-    for x in locs:
-        if x.storage_offset() != off:
-            return False
-        off += x.numel()
-    return True
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from resilient.config import Config
 from resilient.events import EventLog
-from resilient.optim import Optimizers, init_state
+from resilient.optim import Optimizers
+from resilient.optim_state import init_state
 from resilient.parallel import ParallelModel
 from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter, rng_state, set_rng_state
 from resilient.sdc.checksums import local as _local
@@ -77,7 +78,7 @@ class Marks:
 
 def init_optimizer_state(model: ParallelModel, optimizers: Optimizers) -> None:
     """Materialize AdamW's state (zeros, step 0) so a restore has tensors to fill,
-    packed into one flat buffer (:func:`resilient.optim.init_state`)."""
+    packed into one flat buffer (:func:`resilient.optim_state.init_state`)."""
     for part, opt in zip(model.parts, optimizers.optimizers):
         init_state(opt, part)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from resilient.config import TrainConfig
@@ -31,7 +32,7 @@ def test_clip_matches_torch_on_one_process():
 
 
 def _adam_run(packed: bool) -> tuple[list[torch.Tensor], torch.optim.AdamW]:
-    from resilient.optim import init_state
+    from resilient.optim_state import init_state
 
     torch.manual_seed(3)
     ps = [torch.nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (4, 4, 2)]]
@@ -47,7 +48,7 @@ def _adam_run(packed: bool) -> tuple[list[torch.Tensor], torch.optim.AdamW]:
 
 
 def test_packed_optimizer_state_is_one_buffer_and_trains_bitwise_the_same():
-    from resilient.optim import pack_state
+    from resilient.optim_state import pack_state
 
     packed, opt = _adam_run(True)
     plain, _ = _adam_run(False)
@@ -60,7 +61,7 @@ def test_packed_optimizer_state_is_one_buffer_and_trains_bitwise_the_same():
 
 
 def test_pack_state_keeps_values_and_groups_by_dtype():
-    from resilient.optim import pack_state
+    from resilient.optim_state import pack_state
 
     a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2, dtype=torch.float64))
     c = torch.nn.Parameter(torch.randn(4))
@@ -74,3 +75,41 @@ def test_pack_state_keeps_values_and_groups_by_dtype():
         for k, v in opt.state[p].items():
             assert torch.equal(v, before[id(p)][k]) if isinstance(v, torch.Tensor) else v == before[id(p)][k]
     assert opt.state[a]["m"].untyped_storage().data_ptr() == opt.state[c]["m"].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("kw", [{"fused": True}, {"foreach": True}, {"foreach": False}, {"amsgrad": True, "fused": True}])
+def test_prefill_lays_out_the_state_adam_would_create_in_one_buffer(kw):
+    from resilient.optim_state import init_state, prefill
+
+    def fresh():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (0,), (4, 4, 2)]]
+        return ps, torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], **kw)
+
+    ps, ours = fresh()
+    assert prefill(ours) == 4
+    init_state(ours, torch.nn.Module())                     # finds the state there and keeps it
+    qs, torchs = fresh()
+    for group in torchs.param_groups:                       # torch's own lazy initialization
+        for q in group["params"]:
+            q.grad = torch.zeros_like(q)
+        torchs._init_group(group, [], [], [], [], [], [])
+    for p, q in zip(ps, qs):
+        mine, theirs = ours.state[p], torchs.state[q]
+        assert list(mine) == list(theirs)
+        for k in mine:
+            assert (mine[k].dtype, mine[k].shape, mine[k].device) == (theirs[k].dtype, theirs[k].shape, theirs[k].device), k
+            assert torch.equal(mine[k], theirs[k].zero_() if k == "step" else theirs[k]), k
+    moments = [v for st in ours.state.values() for v in st.values() if v.dim() and v.numel()]
+    assert len({v.untyped_storage().data_ptr() for v in moments}) == 1
+
+
+def test_prefill_leaves_optimizers_it_cannot_lay_out_to_pack_state():
+    from resilient.optim_state import init_state, prefill
+
+    module = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)   # no Adam-style _init_group
+    before = [p.detach().clone() for p in module.parameters()]
+    assert prefill(opt) == 0 and not opt.state
+    init_state(opt, module)                                  # falls back to torch's state-dict path
+    assert all(torch.equal(a, p) for a, p in zip(before, module.parameters()))   # a zero-gradient step

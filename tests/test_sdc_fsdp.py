@@ -83,7 +83,7 @@ def train(rank, world, seed=0, shape=(16, 32, 8), steps=5, flips=(), mp=None, mo
     fully_shard(net.fc2, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     if packed:
-        from resilient.optim import init_state
+        from resilient.optim_state import init_state
         init_state(opt, net)
     from resilient.events import EventLog
     from resilient.sdc.probes import Prober

@@ -49,7 +49,7 @@ class BitSums:
     built once per list:
 
     * tensors that tile one storage back to back (optimizer state packed by
-      :func:`resilient.optim.pack_state`) are one *run*: one kernel gives the
+      :func:`resilient.optim_state.pack_state`) are one *run*: one kernel gives the
       bit-sums of its blocks of :data:`BLOCK` elements (0.30 vs 1.15 ms for
       Adam's 870k moments of the demo, measured in the training step);
     * any other tensor is its own entry, through a cached integer view;
