@@ -35,9 +35,9 @@ def variants(quick: bool) -> dict[str, tuple[str, dict]]:
     return v
 
 
-def start(kind: str, run_dir: Path, extra: dict) -> Job:
+def start(kind: str, run_dir: Path, extra: dict, nproc: int = 2) -> Job:
     sets = tiny_sets(**{"snapshot.every": 1, "snapshot.durable_every": DURABLE_EVERY, **extra})
-    cmd = launch_cmd(run_dir, sets) if kind == "launch" else torchrun_cmd(run_dir, sets)
+    cmd = launch_cmd(run_dir, sets, nproc) if kind == "launch" else torchrun_cmd(run_dir, sets, nproc)
     return Job(cmd, run_dir)
 
 
@@ -46,17 +46,19 @@ LABELS = {"resilient_ram": "resilient, warm spares, RAM restore", "torchrun": "t
 
 
 def measure(names: dict[str, tuple[str, dict]], rounds: int, kills: int, prefix: str,
-            sets: dict | None = None) -> tuple[dict[str, list[dict]], dict[str, str]]:
-    """Per variant name: every kill's result (:func:`common.kill_worker`), and the commands."""
+            sets: dict | None = None, nproc: int = 2) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Per variant name: every kill's result (:func:`common.kill_worker`), and the commands.
+    Each kill takes the job's last local rank (rank 1 of the usual 2 workers)."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     got: dict[str, list[dict]] = {}
     cmds = {}
     try:
         for i in range(rounds):
             for name, (kind, extra) in names.items():
-                with start(kind, root / f"{name}-{i}", {**(sets or {}), **extra}) as job:
+                with start(kind, root / f"{name}-{i}", {**(sets or {}), **extra}, nproc) as job:
                     cmds[name] = shown(job.cmd)
-                    got.setdefault(name, []).extend(kill_series(job, kills, spares=2 if kind == "launch" else 0))
+                    got.setdefault(name, []).extend(kill_series(job, kills, spares=nproc if kind == "launch" else 0,
+                                                                local_rank=nproc - 1))
     finally:
         drop_dir(root)
     return got, cmds

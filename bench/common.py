@@ -370,7 +370,7 @@ def kill_worker(job: Job, local_rank: int = 1, timeout: float = 600) -> dict:
 
 
 def kill_series(job: Job, kills: int, spares: int = 0, settle_steps: int = 3, jitter_steps: int = 0,
-                timeout: float = 600) -> list[dict]:
+                timeout: float = 600, local_rank: int = 1) -> list[dict]:
     """``kills`` kill/recover cycles on one job. Before each: ``settle_steps`` steps, a durable
     commit newer than the last recovery (so every launcher has something to restore), then
     0..``jitter_steps`` more steps (so kills land anywhere in a snapshot interval), and, for an
@@ -391,7 +391,7 @@ def kill_series(job: Job, kills: int, spares: int = 0, settle_steps: int = 3, ji
                 wait_for(lambda: spares_idle(job, spares), min(timeout, 60), "warm spares")
             except TimeoutError:
                 pass  # measured anyway; the result's "warm" says how many spares were used
-        r = kill_worker(job, timeout=timeout)
+        r = kill_worker(job, local_rank, timeout=timeout)
         r["t_done"] = time.time()
         out.append(r)
     return out

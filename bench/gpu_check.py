@@ -18,6 +18,10 @@ timeout, records its result, and the next one runs). What only a GPU shows:
    default allocator against malloc + cudaHostRegister on 8 threads.
 6. ``profile``: bench/gpu_profile.py (MFU of the ~1B model, snapshot stall
    blocking and on a side stream, restore from host RAM).
+7. ``recovery_big``: issue 5's recovery on ~1 GB of state (the model of
+   ``bench_recovery_big``) where a step takes milliseconds, not the seconds it
+   takes on 2 CPU cores: kill -9 of the one worker → first completed step,
+   resilient restoring from the node's RAM against torchrun + durable, 2 kills each.
 
 Writes ``DIR/gpu_check.json`` (one summary) and per-check logs; prints the summary.
 ``--cpu`` runs checks 1-3 on the CPU to test this script where there is no GPU.
@@ -139,6 +143,21 @@ class Checks:
                 out[name] = {"rc": proc.returncode, "stderr": proc.stderr[-1500:]}
         return out
 
+    def recovery_big(self) -> dict:
+        sys.path.insert(0, str(REPO / "bench"))
+        from bench_recovery import measure, summarize
+        from bench_recovery_big import BIG, VARIANTS
+
+        # --cpu tests this plumbing on the tiny model: the 1 GB one steps in ~10 s on a CPU core
+        sets = {**(BIG if self.device == "cuda" else {}), "train.device": self.device}
+        names = {k: VARIANTS[k] for k in ("resilient_ram", "torchrun")}
+        got, _ = measure(names, 1, 2, "resilient-gpu-recovery-big-", sets, nproc=1)
+        figures, ratios = summarize(got, ", 1 GiB of state")
+        keep = ("recovery_s", "run_start_s", "detected_s", "restore_s", "tier", "lost_steps")
+        return {"kills": {n: [{k: r.get(k) for k in keep} for r in rs] for n, rs in got.items()},
+                "median_s": {n: f["median"] for n, f in figures.items() if f.get("unit") == "s"},
+                "torchrun_over_resilient": ratios["torchrun_over_resilient_ram"]["value"]}
+
     def probes(self) -> dict:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                "tests/test_sdc_probes.py"], cwd=REPO, capture_output=True, text=True, timeout=180)
@@ -174,7 +193,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench/out/gpu-check"))
     ap.add_argument("--cpu", action="store_true", help="run the trainer checks on the CPU (tests this script)")
-    ap.add_argument("--only", default="trainer,kill,flip,probes,pinned,profile")
+    ap.add_argument("--only", default="trainer,kill,flip,probes,pinned,recovery_big,profile")
     ap.add_argument("--profile-budget", type=float, default=150.0)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
