@@ -131,7 +131,7 @@ class LaunchConfig:
     Durations are in seconds here; the agent turns them into timedeltas."""
 
     nproc_per_node: int = knob(0, "worker processes on this node; 0 = the whole layout on one node (pp·dp·tp, with dp = 1 when automatic)")
-    nnodes: str = knob("1", "nodes in the job: N, or MIN:MAX for an elastic job that shrinks and grows between them")
+    nnodes: str = knob("1", "nodes in the job: N, or MIN:MAX for an elastic job that shrinks and grows between them", coerce=(int,))
     max_restarts: int = knob(100, "worker-group failures tolerated before the job fails (a lost node does not count)")
     spares: int = knob(-1, "warm worker processes (torch imported, waiting) kept ready to replace failed ones; -1 = nproc_per_node, 0 = cold restarts")
     monitor_interval: float = knob(0.1, "seconds between checks of the workers' exit codes and heartbeats")
@@ -186,14 +186,39 @@ class Config:
         p = self.parallel
         return p.pp, (p.dp or world_size // (p.pp * p.tp)), p.tp
 
+    def _validate_counts(self) -> None:
+        """Sizes and counts must be positive before anything divides by them:
+        ``--set model.n_heads=0`` would otherwise end in a ZeroDivisionError."""
+        m, p, t, src = self.model, self.parallel, self.train, self.source
+        at_least_one = (
+            ("model.vocab_size", m.vocab_size), ("model.dim", m.dim), ("model.n_layers", m.n_layers),
+            ("model.n_heads", m.n_heads), ("model.multiple_of", m.multiple_of),
+            ("model.max_seq_len", m.max_seq_len), ("parallel.pp", p.pp), ("parallel.tp", p.tp),
+            ("parallel.stages_per_rank", p.stages_per_rank), ("train.global_batch", t.global_batch),
+            ("train.seq_len", t.seq_len), ("train.eval_batches", t.eval_batches),
+        )
+        for key, val in at_least_one:
+            if val < 1:
+                raise ConfigError(f"{src}: '{key}' must be ≥ 1, got {val}")
+        # 0 means "automatic" (or "none") for these, so only negatives are wrong.
+        at_least_zero = (
+            ("model.ffn_dim", m.ffn_dim), ("parallel.dp", p.dp), ("parallel.microbatches", p.microbatches),
+            ("train.steps", t.steps), ("train.stop_at", t.stop_at), ("train.warmup_steps", t.warmup_steps),
+            ("train.eval_every", t.eval_every), ("launch.nproc_per_node", self.launch.nproc_per_node),
+        )
+        for key, val in at_least_zero:
+            if val < 0:
+                raise ConfigError(f"{src}: '{key}' must be ≥ 0 (0 = automatic or off), got {val}")
+
     def validate_layout(self, world_size: int) -> None:
         """Raise :class:`ConfigError` for combinations that cannot run."""
         m, p, t, src = self.model, self.parallel, self.train, self.source
-        for key, val in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.stages_per_rank", p.stages_per_rank)):
-            if val < 1:
-                raise ConfigError(f"{src}: '{key}' must be ≥ 1, got {val}")
-        if p.dp < 0:
-            raise ConfigError(f"{src}: 'parallel.dp' must be ≥ 0 (0 = automatic), got {p.dp}")
+        self._validate_counts()
+        if world_size < 1:
+            raise ConfigError(
+                f"{src}: world size {world_size} must be ≥ 1; run at least one process "
+                f"(--world-size / --nproc-per-node / 'launch.nproc_per_node')"
+            )
         if world_size % (p.pp * p.tp):
             raise ConfigError(
                 f"{src}: world size {world_size} is not divisible by pp×tp = {p.pp}×{p.tp}; "
@@ -253,8 +278,6 @@ class Config:
                 f"{src}: 'parallel.stages_per_rank' > 1 needs pp_schedule "
                 f"{' or '.join(map(repr, MULTI_STAGE_SCHEDULES))}"
             )
-        if t.steps < 0 or t.global_batch < 1 or t.seq_len < 1:
-            raise ConfigError(f"{src}: 'train.steps' ≥ 0, 'train.global_batch' ≥ 1 and 'train.seq_len' ≥ 1 are required")
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -291,8 +314,14 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
                 table = tomllib.load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {source} does not exist; see configs/ for examples") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {source} is a directory; pass a TOML file, e.g. configs/demo.toml") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start}); a config must be a UTF-8 TOML file") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{source} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {source}: {e.strerror or e}; check the path and its permissions") from None
     apply_overrides(table, overrides or [])
     return config_from_dict(table, source)
 

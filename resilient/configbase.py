@@ -17,11 +17,17 @@ from typing import Any, Mapping
 from resilient.errors import ConfigError
 
 
-def knob(default: Any, doc: str, choices: tuple | None = None) -> Any:
-    """Declare a config field with its documentation and allowed values."""
+def knob(default: Any, doc: str, choices: tuple | None = None, coerce: tuple[type, ...] = ()) -> Any:
+    """Declare a config field with its documentation and allowed values.
+
+    ``coerce`` lists other types a value may have in TOML; such a value is
+    converted to the field's type (``nnodes = 2`` for ``nnodes = "2"``). Only
+    the field that opts in is loosened, every other knob keeps its strict type."""
     meta = {"doc": doc}
     if choices is not None:
         meta["choices"] = tuple(choices)
+    if coerce:
+        meta["coerce"] = tuple(coerce)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -76,6 +82,9 @@ def load_section(cls: type, table: Mapping[str, Any], where: str, source: str) -
         if dataclasses.is_dataclass(tp):
             kwargs[key] = load_section(tp, value, name, source)
             continue
+        # type(), not isinstance: True must not pass as the int 1.
+        if type(value) in fields[key].metadata.get("coerce", ()):
+            value = tp(value)
         if not _type_ok(value, tp):
             raise ConfigError(
                 f"{source}: '{name}' must be {_type_name(tp)}, got "

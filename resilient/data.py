@@ -42,34 +42,54 @@ def _stdlib_files() -> list[Path]:
     return sorted(files)
 
 
-def _text_files(source: str) -> list[Path]:
+def _text_files(source: str, out: Path) -> list[Path]:
+    """The files to read, listed before ``out`` gets anything written into it.
+
+    Files under ``out`` are left out: with OUT inside SRC, ``prepare`` would
+    otherwise read its own half-written temp file, or an earlier corpus."""
     if source == "python-stdlib":
         return _stdlib_files()
     src = Path(source).expanduser()
     if src.is_file():
         return [src]
     if src.is_dir():
-        return sorted(p for p in src.rglob("*") if p.is_file())
+        src_r, out_r = src.resolve(), out.resolve()
+        if src_r == out_r or src_r.is_relative_to(out_r):
+            raise DataError(
+                f"corpus folder {out} is the source folder {source!r} or holds it; "
+                f"write the corpus to a folder outside the source, e.g. {src_r.parent / (src_r.name + '-corpus')}"
+            )
+        return sorted(p for p in src.rglob("*") if p.is_file() and not p.resolve().is_relative_to(out_r))
     raise DataError(
         f"corpus source {source!r} is neither 'python-stdlib' nor an existing file or folder"
     )
 
 
-def prepare(source: str, out: str | os.PathLike, max_bytes: int = 0) -> Path:
-    """Build a byte-level corpus at ``out`` from text at ``source``.
+def _make_out_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DataError(f"corpus folder {out} exists and is not a folder; choose another OUT path") from None
+    except OSError as e:
+        raise DataError(
+            f"cannot create the corpus folder {out}: {e.strerror or e}; "
+            f"choose an OUT path you can write, on a writable filesystem, under existing folders"
+        ) from None
 
-    The byte-level tokenizer maps each byte to its value (vocabulary 256). The
-    corpus appears atomically: files are written under a temporary name and
-    renamed, so a killed ``prepare`` never leaves a half corpus behind.
-    """
-    out = Path(out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+
+def _write_tokens(files: list[Path], tmp: Path, max_bytes: int) -> tuple[int, str]:
+    """Write the byte tokens of ``files`` to ``tmp``; (tokens written, sha256 of the text)."""
     digest = hashlib.sha256()
     n = 0
-    tmp = out / f"tokens.bin.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-        for path in _text_files(source):
-            data = path.read_bytes() + b"\n\n"
+        for path in files:
+            try:
+                data = path.read_bytes() + b"\n\n"
+            except OSError as e:
+                raise DataError(
+                    f"cannot read corpus source file {path}: {e.strerror or e}; "
+                    f"fix its permissions or remove it from the source"
+                ) from None
             if max_bytes and n + len(data) > max_bytes:
                 data = data[: max_bytes - n]
             arr = np.frombuffer(data, dtype=np.uint8).astype("<u2")
@@ -78,14 +98,52 @@ def prepare(source: str, out: str | os.PathLike, max_bytes: int = 0) -> Path:
             n += len(data)
             if max_bytes and n >= max_bytes:
                 break
-    if n < 2:
-        tmp.unlink()
+    return n, digest.hexdigest()
+
+
+def prepare(source: str, out: str | os.PathLike, max_bytes: int = 0) -> Path:
+    """Build a byte-level corpus at ``out`` from text at ``source``.
+
+    The byte-level tokenizer maps each byte to its value (vocabulary 256). The
+    corpus appears atomically: files are written under a temporary name and
+    renamed, and the temporary files are removed on any failure (Ctrl-C too),
+    so a killed ``prepare`` never leaves a half corpus or a stray file behind.
+    """
+    if max_bytes < 0:
+        raise DataError(
+            f"max bytes {max_bytes} is negative; pass --max-bytes N (or 'data.max_bytes') "
+            f"with N ≥ 0, where 0 reads all the text"
+        )
+    out = Path(out).expanduser()
+    files = _text_files(source, out)
+    if not files:
         raise DataError(f"corpus source {source!r} holds no text")
-    os.replace(tmp, out / "tokens.bin")
-    meta = {"format": FORMAT, "dtype": "uint16", "vocab_size": BYTE_VOCAB, "n_tokens": n,
-            "tokenizer": "bytes", "source": source, "sha256": digest.hexdigest()}
-    (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
-    os.replace(out / "meta.json.tmp", out / "meta.json")
+    _make_out_dir(out)
+    tmp = out / f"tokens.bin.tmp{os.getpid()}"
+    meta_tmp = out / f"meta.json.tmp{os.getpid()}"
+    try:
+        n, sha = _write_tokens(files, tmp, max_bytes)
+        if n < 2:
+            raise DataError(f"corpus source {source!r} holds no text")
+        meta = {"format": FORMAT, "dtype": "uint16", "vocab_size": BYTE_VOCAB, "n_tokens": n,
+                "tokenizer": "bytes", "source": source, "sha256": sha}
+        meta_tmp.write_text(json.dumps(meta, indent=1))
+        # An old meta.json goes first: between the two renames a reader then sees
+        # "no corpus", never the new tokens described by the old meta.
+        (out / "meta.json").unlink(missing_ok=True)
+        os.replace(tmp, out / "tokens.bin")
+        os.replace(meta_tmp, out / "meta.json")
+    except OSError as e:
+        raise DataError(
+            f"cannot write the corpus in {out}: {e.strerror or e}; "
+            f"choose an OUT folder on a writable filesystem with room for ~2 bytes per byte of text"
+        ) from None
+    finally:
+        for leftover in (tmp, meta_tmp):
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:
+                pass  # the write error (or Ctrl-C) being raised is the one to report
     return out
 
 

@@ -97,3 +97,45 @@ def test_explain_documents_every_knob():
     for key in ("model.dim", "parallel.zero", "train.global_batch", "snapshot.every", "launch.nproc_per_node"):
         line = next(l for l in text.splitlines() if l.startswith(key + " "))
         assert "#" in line and len(line.split("#", 1)[1].strip()) > 10, line
+
+
+@pytest.mark.parametrize("key", ["model.n_heads", "model.multiple_of", "model.dim", "model.vocab_size",
+                                 "model.n_layers", "model.max_seq_len", "train.global_batch",
+                                 "train.seq_len", "train.eval_batches"])
+def test_sizes_must_be_positive_before_any_division(key):
+    cfg = load_config(None, [f"{key}=0"])
+    with pytest.raises(ConfigError, match=f"'{key}' must be ≥ 1, got 0"):
+        cfg.validate_layout(1)
+
+
+@pytest.mark.parametrize("key", ["model.ffn_dim", "parallel.dp", "parallel.microbatches", "train.steps",
+                                 "launch.nproc_per_node"])
+def test_automatic_counts_must_not_be_negative(key):
+    cfg = load_config(None, [f"{key}=-2"])
+    with pytest.raises(ConfigError, match=f"'{key}' must be ≥ 0"):
+        cfg.validate_layout(1)
+
+
+@pytest.mark.parametrize("world", [0, -2])
+def test_world_size_must_be_positive(world):
+    with pytest.raises(ConfigError, match=f"world size {world} must be ≥ 1"):
+        load_config(None).validate_layout(world)
+
+
+def test_config_that_is_a_directory_or_not_utf8(tmp_path):
+    with pytest.raises(ConfigError, match=f"{tmp_path} is a directory; pass a TOML file"):
+        load_config(tmp_path)
+    p = tmp_path / "latin1.toml"
+    p.write_bytes('[data]\npath = "/données"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"{p} is not UTF-8 text"):
+        load_config(p)
+
+
+def test_nnodes_accepts_an_int_but_other_strings_stay_strict(tmp_path):
+    assert load_config(None, ["launch.nnodes=2"]).launch.nnodes == "2"
+    assert load_config(write(tmp_path, "[launch]\nnnodes = 3\n")).launch.nnodes == "3"
+    assert load_config(None, ['launch.nnodes="1:3"']).launch.nnodes == "1:3"
+    with pytest.raises(ConfigError, match="'launch.nnodes' must be str, got True"):
+        load_config(None, ["launch.nnodes=true"])
+    with pytest.raises(ConfigError, match="'train.dtype' must be str, got 2"):
+        load_config(None, ["train.dtype=2"])

@@ -76,3 +76,82 @@ def test_vocab_that_does_not_fit_the_model(text_corpus):
 def test_stdlib_corpus_prepares_without_download(tmp_path):
     p = prepare("python-stdlib", tmp_path / "std", max_bytes=50_000)
     assert json.loads((p / "meta.json").read_text())["n_tokens"] == 50_000
+
+
+def _leftovers(folder):
+    return sorted(p.name for p in folder.rglob("*tmp*"))
+
+
+def test_out_inside_source_reads_only_the_source(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    text = b"some text\n" * 1000
+    (src / "a.txt").write_bytes(text)
+    for _ in range(2):  # the second run must not read the first run's tokens.bin or meta.json
+        out = prepare(str(src), src / "corpus")
+        meta = json.loads((out / "meta.json").read_text())
+        assert meta["n_tokens"] == len(text) + 2
+        assert bytes(np.fromfile(out / "tokens.bin", dtype="<u2").astype(np.uint8)) == text + b"\n\n"
+    assert _leftovers(src) == []
+
+
+def test_out_equal_to_source_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("abc " * 100)
+    with pytest.raises(DataError, match="outside the source"):
+        prepare(str(tmp_path), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_missing_source_creates_nothing(tmp_path):
+    with pytest.raises(DataError, match="neither 'python-stdlib' nor an existing"):
+        prepare(str(tmp_path / "nonexistent"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_prepare_leaves_no_temp_file(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (src / name).write_text("abc " * 100)
+    real = type(src).read_bytes
+
+    def read_bytes(self):
+        if self.name == "b.txt":
+            raise KeyboardInterrupt  # Ctrl-C halfway through the files
+        return real(self)
+
+    monkeypatch.setattr(type(src), "read_bytes", read_bytes)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(src), tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_out_that_is_a_file(tmp_path):
+    (tmp_path / "a.txt").write_text("abc " * 100)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(DataError, match="exists and is not a folder; choose another OUT"):
+        prepare(str(tmp_path / "a.txt"), tmp_path / "f")
+    with pytest.raises(DataError, match="cannot create the corpus folder .*Not a directory"):
+        prepare(str(tmp_path / "a.txt"), tmp_path / "f" / "sub")
+
+
+def test_read_only_out_is_a_data_error_and_cleans_up(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    (tmp_path / "a.txt").write_text("abc " * 100)
+
+    def replace(a, b):  # tests run as root, so chmod cannot make a folder read-only
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(b))
+
+    monkeypatch.setattr("resilient.data.os.replace", replace)
+    with pytest.raises(DataError, match="cannot write the corpus in .*Read-only file system.*writable"):
+        prepare(str(tmp_path / "a.txt"), tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_negative_max_bytes_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("abc " * 100)
+    with pytest.raises(DataError, match="max bytes -5 is negative.*--max-bytes"):
+        prepare(str(tmp_path / "a.txt"), tmp_path / "out", max_bytes=-5)
+    assert not (tmp_path / "out").exists()
