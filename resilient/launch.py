@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -57,11 +58,29 @@ def worker_env(nproc: int) -> dict[str, str]:
     return env
 
 
+# Node and run ids name files (the node store under /dev/shm, temp dirs) and etcd keys:
+# a "/" or ".." in one would reach outside the store, and a store is removed with rmtree.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_name(flag: str, value: str) -> str:
+    """``value`` if it is a safe node/run id, else a :class:`ConfigError` naming ``flag``."""
+    if not _NAME.fullmatch(value) or ".." in value:
+        raise ConfigError(f"{flag} {value!r} is not a valid name: use letters, digits, '.', '_' and '-' "
+                          "(at most 128, starting with a letter or digit, no '..')")
+    return value
+
+
 def prepare_run(args: argparse.Namespace) -> tuple[Config, Path, Path, int, tuple[int, int]]:
     """(config, run dir, the config file this node's workers read, nproc, (min, max) nodes)."""
     from resilient.agent.api import parse_nnodes
 
+    for flag, value in (("--node-id", args.node_id), ("--run-id", args.run_id)):
+        if value is not None:
+            check_name(flag, value)
     cfg = load_config(args.config, args.overrides)
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be ≥ 1, got {args.nproc_per_node}")
     nproc = args.nproc_per_node or cfg.default_world_size()
     nnodes = parse_nnodes(args.nnodes or cfg.launch.nnodes)
     bad = []
@@ -73,8 +92,12 @@ def prepare_run(args: argparse.Namespace) -> tuple[Config, Path, Path, int, tupl
     if bad:
         raise ConfigError("the layout does not fit every world size this job may take:\n  " + "\n  ".join(bad))
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return cfg, run_dir, write_config(cfg, run_dir), nproc, nnodes
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return cfg, run_dir, write_config(cfg, run_dir), nproc, nnodes
+    except OSError as e:
+        raise LaunchError(f"cannot use run dir {run_dir}: {e.strerror or e}; pass --run-dir with a writable "
+                          "directory (it holds the events, the config and the checkpoints)") from e
 
 
 def write_config(cfg: Config, run_dir: Path) -> Path:
@@ -89,8 +112,11 @@ def write_config(cfg: Config, run_dir: Path) -> Path:
     path = run_dir / f"config-{hashlib.sha256(doc.encode()).hexdigest()[:16]}.json"
     for target in (path, run_dir / "config.json"):
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(doc)
-        os.replace(tmp, target)
+        try:
+            tmp.write_text(doc)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file
     return path
 
 
@@ -198,9 +224,22 @@ def _raise_on_signal(signum, frame):
 
 
 def launch(args: argparse.Namespace) -> int:
-    cfg, run_dir, config_path, nproc, (min_nodes, max_nodes) = prepare_run(args)
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    cfg, run_dir, config_path, nproc, nnodes = prepare_run(args)
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    # From here a signal at any point (etcd starting, the job check's wait, the agent's
+    # run) unwinds every context (etcd stopped, lease revoked) and exits 128 + signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_on_signal)
+    try:
+        return _run_node(args, cfg, run_dir, config_path, nproc, nnodes)
+    except SignalException as e:
+        return 128 + int(e.sigval)
+
+
+def _run_node(args: argparse.Namespace, cfg: Config, run_dir: Path, config_path: Path, nproc: int,
+              nnodes: tuple[int, int]) -> int:
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
     from resilient.agent.agent import ResilientAgent
@@ -211,13 +250,12 @@ def launch(args: argparse.Namespace) -> int:
     from resilient.rendezvous import client_from_params, register
 
     lc = cfg.launch
+    min_nodes, max_nodes = nnodes
     node = args.node_id or socket.gethostname()
     run_id = args.run_id or default_run_id(run_dir)
     events = EventLog(run_dir / "events.jsonl", node=node, rank=-1)
     env = worker_env(nproc)
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"})
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_on_signal)
     print(f"resilient: node {node}, {nproc} workers, {min_nodes}:{max_nodes} nodes, "
           f"{cfg.model.num_params() / 1e6:.2f}M parameters, run dir {run_dir}", file=sys.stderr)
 
@@ -229,10 +267,6 @@ def launch(args: argparse.Namespace) -> int:
                                       min_nodes=min_nodes, max_nodes=max_nodes, **conf)
         handler = rendezvous_handler_registry.create_handler(params)
         client = client_from_params(params)
-        registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
-        Quarantine(client, run_id).refuse_if_quarantined(node, endpoint)
-        registry.update(job=cfg.job_digest())
-        refuse_other_jobs(registry, cfg, timedelta(seconds=lc.node_lease_ttl))
         settings = AgentSettings(
             node_id=node, run_dir=str(run_dir), min_nodes=min_nodes, max_nodes=max_nodes,
             nproc_per_node=nproc, spares=nproc if lc.spares < 0 else lc.spares,
@@ -252,12 +286,18 @@ def launch(args: argparse.Namespace) -> int:
         spec = WorkerSpec(role="trainer", local_world_size=nproc, rdzv_handler=handler,
                           entrypoint=sys.executable, args=(), max_restarts=lc.max_restarts,
                           monitor_interval=lc.monitor_interval)
-        agent = ResilientAgent(spec, settings, registry, events)
-        events.emit("agent_start", run_id=run_id, endpoint=endpoint, nnodes=[min_nodes, max_nodes], nproc=nproc)
         try:
+            registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
+            Quarantine(client, run_id).refuse_if_quarantined(node, endpoint)
+            registry.claim(job=cfg.job_digest())
+            try:
+                refuse_other_jobs(registry, cfg, timedelta(seconds=lc.node_lease_ttl))
+                agent = ResilientAgent(spec, settings, registry, events)
+            except BaseException:
+                registry.leave()  # our claim must not hold the node id for a lease ttl
+                raise
+            events.emit("agent_start", run_id=run_id, endpoint=endpoint, nnodes=[min_nodes, max_nodes], nproc=nproc)
             result = agent.run()
-        except SignalException as e:
-            return 128 + int(e.sigval)
         finally:
             client.close()
         if result is None:  # the rendezvous was closed: the job ended elsewhere
@@ -266,9 +306,7 @@ def launch(args: argparse.Namespace) -> int:
             raise LaunchError(f"node {node!r} was quarantined: one of its devices computed wrong answers "
                               f"(see the sdc_* events in {run_dir / 'events.jsonl'}); the other nodes go on without it")
         if result.is_failed():
-            first = next(iter(result.failures.values()), None)
-            raise LaunchError(f"training failed after {lc.max_restarts} restarts"
-                              f"{f' (local rank {first.local_rank} exit code {first.exitcode})' if first else ''}; "
-                              f"see {run_dir / 'events.jsonl'}")
+            raise LaunchError(f"training failed: {agent.give_up_reason(result)}; see {run_dir / 'events.jsonl'}")
         handler.shutdown()
     return 0
+

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from resilient.agent.api import NOT_DURABLE_EXIT
 from resilient.agent.heartbeat import HeartbeatWriter
 from resilient.agent.quarantine import QUARANTINE_EXIT
 from resilient.config import Config
@@ -39,6 +40,7 @@ from resilient.sdc.api import Action, SdcError
 from resilient.sdc.inject import BitFlipInjector, FlipSpec
 from resilient.sdc.monitor import SdcMonitor
 from resilient.sdc.reduction import pipeline_post_scale
+from resilient.snapshot.api import StorageError
 from resilient.train_state import Marks, TrainState
 
 DIST_TIMEOUT = timedelta(minutes=5)
@@ -330,7 +332,11 @@ class Trainer:
         if self.progress:
             self.progress.close()
         with self.heartbeat.while_waiting():
-            self.state.final(self.step)
+            try:
+                self.state.final(self.step)
+            except StorageError as e:
+                self.events.emit("worker_error", error=f"{type(e).__name__}: {e}", traceback="")
+                raise SystemExit(NOT_DURABLE_EXIT) from e
         if self.stop_requested:
             self.events.emit("run_end", step=self.step, preempted=True)
             return 0

@@ -36,6 +36,7 @@ from resilient.optim_state import init_state
 from resilient.parallel import ParallelModel
 from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter, rng_state, set_rng_state
 from resilient.sdc.checksums import local as _local
+from resilient.snapshot.api import StorageError
 from resilient.snapshot.flatten import iter_leaves
 from resilient.snapshot.restore import restore_candidates
 from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
@@ -277,6 +278,15 @@ class TrainState:
         if self.memory is not None:
             self.memory.wait(timeout)
         self.durable.wait(timeout)
+        # Training goes on past a failed upload, but the end of a run must not: exiting 0
+        # would say the trained state is safe. The error ends this worker (the agent
+        # retries, then gives up with this message).
+        err = self.durable.upload_error(step)
+        if err is None and self.durable.committed_step not in (None, step):
+            err = f"not committed (newest committed: step {self.durable.committed_step})"
+        if err is not None:
+            raise StorageError(f"the final snapshot of step {step} could not be made durable at "
+                               f"{self.durable.url}: {err}", self.durable.url)
 
     def committed(self) -> dict[str, int]:
         """The newest committed step per tier this process can see (for the progress line):

@@ -101,3 +101,39 @@ def test_unreachable_etcd_is_a_clear_error(corpus, tmp_path):
                       extra_args=["--rdzv-endpoint", f"127.0.0.1:{free_port()}"])
     assert proc.returncode == 2
     assert "etcd" in proc.stderr and "127.0.0.1" in proc.stderr
+
+
+def test_ctrl_c_stops_the_node_like_a_preemption(corpus, tmp_path, etcd):
+    """SIGINT (Ctrl-C) to the launcher: the workers finish their step and save it
+    durably, no worker dies with a KeyboardInterrupt, and the launcher exits 130."""
+    run = tmp_path / "run"
+    run.mkdir()
+    over = agent_overrides(corpus, 400, **{"snapshot.every": 1, "snapshot.durable_every": 1000})
+    agent = Agent(DEMO, run, over, "n0", endpoint=etcd.endpoint, nproc=2)
+    try:
+        wait_for(lambda: steps_done(run) >= 3, 120, "the first steps")
+        os.kill(agent.proc.pid, signal.SIGINT)
+        assert agent.wait(90) == 128 + signal.SIGINT, agent.output()[-3000:]
+        assert [e["signal"] for e in events(run, "preemption")] == [signal.SIGINT]
+        assert events(run, "agent_stop")[-1]["reason"] == "interrupted"
+        assert not events(run, "worker_error")
+        ends = events(run, "run_end")
+        assert len(ends) == 2 and all(e["preempted"] for e in ends)
+        durable = [e["step"] for e in events(run, "commit") if e["tier"] == "durable"]
+        assert durable and max(durable) == ends[0]["step"] >= 3
+    finally:
+        agent.close()
+
+
+def test_a_final_snapshot_that_cannot_be_written_fails_the_run(corpus, tmp_path):
+    """A run whose last step never became durable must not exit 0: the launcher's
+    error says why, naming the workers' own error."""
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the checkpoint directory should be")
+    over = tiny_overrides(corpus, 3, **{"snapshot.every": 1, "snapshot.durable_url": (blocker / "ckpt").as_uri()})
+    proc = run_launch(DEMO, tmp_path / "run", over, nproc=1, check=False, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "training failed: the final state could not be made durable (local rank 0 exit code 76)" in proc.stderr
+    assert "the final snapshot of step 3 could not be made durable" in proc.stderr
+    assert "a file stands where a directory" in proc.stderr
+    assert len(events(tmp_path / "run", "workers_started")) == 1  # no restart: it would fail the same way

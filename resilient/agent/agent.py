@@ -24,6 +24,7 @@ This class supplies the four hooks it leaves abstract and adds:
 - ``_shutdown`` on SIGTERM is a preemption: workers get SIGTERM and a grace
   period to finish the step and snapshot, then the node leaves the rendezvous
   and revokes its lease, so the others re-form now instead of after a timeout.
+  SIGINT (Ctrl-C) stops the node the same way.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
 
-from resilient.agent.api import AgentSettings, FailureKind
+from resilient.agent.api import NOT_DURABLE_EXIT, AgentSettings, FailureKind
 from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
 from resilient.agent.membership import NodeRegistry
 from resilient.agent.pool import WarmPool, WorkerProcess
 from resilient.agent.quarantine import QUARANTINE_EXIT, Quarantine
-from resilient.events import EventLog
+from resilient.events import EventLog, read_events
 from resilient.rendezvous.api import RendezvousRoundLost
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,15 @@ MAX_STARTUP_FAILURES = 3
 # its workers) before the agent gives up: each attempt is a real re-join, bounded
 # by the join timeout, so this only stops a loop that would never settle.
 MAX_LOST_ROUNDS = 20
+
+
+def _ignore_stop_signals() -> None:
+    """Ignore SIGINT/SIGTERM from now on (the graceful stop is bounded by its grace)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread: nothing installed a handler there either
+            pass
 
 
 class ResilientAgent(SimpleElasticAgent):
@@ -87,9 +97,14 @@ class ResilientAgent(SimpleElasticAgent):
         if settings.store is not None and settings.etcd_factory is not None:
             from resilient.agent.store import NodeStoreService
 
-            self.store = NodeStoreService(settings.store, settings.run_id, settings.node_id,
-                                          settings.etcd_endpoint, settings.etcd_factory, self._tmp, events,
-                                          settings.etcd_conf)
+            try:
+                self.store = NodeStoreService(settings.store, settings.run_id, settings.node_id,
+                                              settings.etcd_endpoint, settings.etcd_factory, self._tmp, events,
+                                              settings.etcd_conf)
+            except BaseException:  # e.g. another live agent owns the store: leave nothing behind
+                self.pool.close()
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                raise
         if registry is not None:
             info = {"store": self.store.server.address} if self.store is not None else {}
             if hasattr(spec.rdzv_handler, "node_desc"):
@@ -222,6 +237,33 @@ class ResilientAgent(SimpleElasticAgent):
             wp.wait(timedelta(seconds=10))
         self.procs.clear()
 
+    def give_up_reason(self, result: RunResult) -> str:
+        """Why the agent gave up on a failed run, for the launcher's error: which limit was
+        hit, the exit code, and the root cause the node's workers logged (the earliest
+        ``worker_error`` of the last attempt: later ones are usually its echo, e.g. a
+        peer's connection reset)."""
+        first = next(iter(result.failures.values()), None)
+        code = f"local rank {first.local_rank} exit code {first.exitcode}" if first else "no exit code"
+        if any(f.exitcode == NOT_DURABLE_EXIT for f in result.failures.values()):
+            why = f"the final state could not be made durable ({code}); a restart would not mend it"
+        elif self._startup_failures >= MAX_STARTUP_FAILURES:
+            why = f"the workers failed {self._startup_failures} times in a row before their first step ({code})"
+        else:
+            why = f"{self.settings.max_restarts} restarts used up ({code})"
+        log_path = Path(self.settings.run_dir) / "events.jsonl"
+        errors: list[dict] = []
+        try:
+            for e in read_events(log_path):
+                if e.get("node") != self.settings.node_id:
+                    continue
+                if e.get("event") == "workers_started":
+                    errors = []
+                elif e.get("event") == "worker_error":
+                    errors.append(e)
+        except OSError:
+            pass
+        return why + (f"; rank {errors[0].get('rank')} said: {errors[0].get('error')}" if errors else "")
+
     def _failure(self, wg: WorkerGroup, local_rank: int, wp: WorkerProcess, exitcode: int) -> dict:
         """torch's RunResult keys failures by global rank."""
         worker = wg.workers[local_rank]
@@ -238,6 +280,8 @@ class ResilientAgent(SimpleElasticAgent):
         if failures:
             self._count_startup_failures(failures)
             self._quarantine_if_asked(failures)
+            if any(f.exitcode == NOT_DURABLE_EXIT for f in failures.values()):
+                self._remaining_restarts = 0  # see NOT_DURABLE_EXIT
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if all(wp.poll() == 0 for wp in self.procs.values()):
             return RunResult(state=WorkerState.SUCCEEDED,
@@ -310,8 +354,11 @@ class ResilientAgent(SimpleElasticAgent):
         # SIGTERM while workers still run is a preemption notice; the same
         # default signal after the workers exited is just the end of run().
         running = any(p.poll() is None for p in self.procs.values())
-        preempted = death_sig == signal.SIGTERM and running
+        # Ctrl-C (SIGINT) takes the same path: the user wants the job stopped, not its
+        # newest steps lost (the workers would die mid-step with a KeyboardInterrupt).
+        preempted = death_sig in (signal.SIGTERM, signal.SIGINT) and running
         if preempted:
+            _ignore_stop_signals()  # a second Ctrl-C must not abandon the workers half-way
             self.events.emit("preemption", signal=int(death_sig),
                              grace_seconds=self.settings.preemption_grace.total_seconds())
             self._stop_workers(self._worker_group, signal.SIGTERM, self.settings.preemption_grace)
@@ -328,7 +375,7 @@ class ResilientAgent(SimpleElasticAgent):
             self.registry.leave()
         shutil.rmtree(self._tmp, ignore_errors=True)
         if preempted:
-            reason = "preempted"
+            reason = "preempted" if death_sig == signal.SIGTERM else "interrupted"
         elif running:
             reason = signal.Signals(death_sig).name
         else:

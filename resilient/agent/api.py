@@ -14,6 +14,16 @@ class AgentError(ResilientError):
     """The agent cannot run the job (bad --nnodes, no rendezvous, ...)."""
 
 
+# A worker's exit code for "training finished, but its final state could not be made
+# durable" (a full disk, a read-only URL): a restart would only repeat it, so the agent
+# stops and the launcher fails the run with the worker's error.
+NOT_DURABLE_EXIT = 76
+
+
+class NodeIdInUse(AgentError):
+    """Another live agent of this run already holds this node id."""
+
+
 class FailureKind(str, enum.Enum):
     """Why a worker group stopped being healthy.
 

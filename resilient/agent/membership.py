@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+from resilient.agent.api import NodeIdInUse
 from resilient.etcd import EtcdClient, EtcdError, LivenessLease
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,41 @@ class NodeRegistry:
         """Add fields to this node's description (e.g. its store address) and re-publish it."""
         self.info.update(info)
         self.register()
+
+    def claim(self, wait: timedelta | None = None, **info) -> None:
+        """Publish this node's description only if no live agent holds the node id.
+
+        Why not a plain put: a second agent started with the same --node-id would
+        overwrite the live node's key under its own lease, and delete it on exit;
+        the live node then looks gone, and a node with another config passes
+        the job check. The key is created only where absent (one txn). A holder
+        that is a dead process of this host (an agent killed with -9, its lease
+        not lapsed yet) is taken over at once; any other holder is given ``wait``
+        (default: the lease ttl) to lapse before :class:`NodeIdInUse` is raised."""
+        self.info.update(info)
+        key = self.prefix + self.node_id
+        deadline = time.monotonic() + (wait or self.lease.ttl).total_seconds() + 1.0
+        seen = None
+        while True:
+            got = self.client.compare_and_swap(key, json.dumps(self.info), mod_revision=seen, lease=self.lease.id)
+            if got.succeeded:
+                return
+            if got.kv is None:  # gone between the compare and now: create it
+                seen = None
+                continue
+            try:
+                holder = json.loads(got.kv.value)
+            except (ValueError, UnicodeDecodeError):
+                holder = {}
+            if holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid")):
+                seen = got.kv.mod_revision  # take it over, unless it changes meanwhile
+                continue
+            if time.monotonic() > deadline:
+                raise NodeIdInUse(
+                    f"node id {self.node_id!r} is in use in this run by a live agent (pid {holder.get('pid')} "
+                    f"on host {holder.get('host')!r}); give this node another --node-id, or stop that agent first")
+            seen = None
+            time.sleep(0.5)
 
     def register(self) -> None:
         self.client.put(self.prefix + self.node_id, json.dumps(self.info), lease=self.lease.id)
@@ -108,6 +144,19 @@ class NodeRegistry:
             self.lease.close(revoke=True)
         except EtcdError as e:
             log.warning("could not revoke the node lease: %s", e)
+
+
+def _pid_alive(pid) -> bool:
+    """Whether a process ``pid`` exists on this host (one we may not signal counts as alive)."""
+    try:
+        os.kill(int(pid), 0)
+    except (TypeError, ValueError):
+        return True  # no pid recorded: not provably dead
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def refuses_connections(address: str, timeout: timedelta) -> bool:

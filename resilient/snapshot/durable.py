@@ -100,6 +100,7 @@ class Uploader:
         self.bell = store / BELL if store is not None else None
         self.last_uploaded: int | None = None
         self.failures = 0
+        self.errors: dict[int, str] = {}  # step → why its upload failed (the newest few)
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max(1, opts.threads), thread_name_prefix="snapshot-upload",
                                         initializer=_background_priority)
@@ -118,6 +119,9 @@ class Uploader:
                 self._upload(slot)
             except Exception as e:  # a failed upload must never reach training
                 self.failures += 1
+                self.errors[slot.step] = f"{type(e).__name__}: {e}"
+                for old in sorted(self.errors)[:-8]:
+                    del self.errors[old]
                 emit(self.events, "upload_error", step=slot.step, phase="upload",
                      error=f"{type(e).__name__}: {e}", obj=getattr(e, "obj", None))
                 warnings.warn(f"snapshot upload of step {slot.step} failed, training goes on: {e}", RuntimeWarning)

@@ -242,6 +242,10 @@ class Snapshotter:
             ok = self._committer.wait_idle(timeout) and ok
         return ok
 
+    def upload_error(self, step: int) -> str | None:
+        """Why this rank's write of ``step`` failed (after :meth:`wait`); None if it did not."""
+        return self._uploader.errors.get(step)
+
     @property
     def committed_step(self) -> int | None:
         """Newest step this process committed (rank 0 only; None elsewhere)."""

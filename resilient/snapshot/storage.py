@@ -13,6 +13,7 @@ write that was torn without an error.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import time
@@ -42,6 +43,15 @@ class RetryPolicy:
 
 
 TRANSIENT = (OSError, TimeoutError, ConnectionError)
+# Errors a retry cannot mend: a full or read-only disk, a refused permission. Retrying
+# them only held the caller for the whole deadline (~30 s per write on a full disk).
+PERMANENT = {errno.ENOSPC: "no space left on the device: free some, or point the URL elsewhere",
+             errno.EDQUOT: "disk quota exceeded: free some, or point the URL elsewhere",
+             errno.EROFS: "read-only file system: point the URL at a writable place",
+             errno.EACCES: "permission denied: check the path's permissions or the credentials",
+             errno.EPERM: "operation not permitted: check the path's permissions or the credentials",
+             errno.ENOTDIR: "a file stands where a directory of the URL should be: fix the URL or move the file",
+             errno.EISDIR: "a directory stands where a file should be: fix the URL or move the directory"}
 
 
 def with_retry(fn: Callable[[], T], what: str, policy: RetryPolicy,
@@ -58,6 +68,8 @@ def with_retry(fn: Callable[[], T], what: str, policy: RetryPolicy,
         except FileNotFoundError:
             raise
         except TRANSIENT as e:
+            if isinstance(e, OSError) and e.errno in PERMANENT:
+                raise StorageError(f"{what}: {PERMANENT[e.errno]} ({type(e).__name__}: {e})", what) from e
             elapsed = time.monotonic() - start
             if attempt == policy.attempts or elapsed + delay > policy.deadline.total_seconds():
                 raise StorageError(
