@@ -68,6 +68,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--run-id", required=True, help="the job's run id (see the agent_start event)")
     args = ap.parse_args(argv)
     with EtcdClient(args.rdzv_endpoint) as client:
+        client.check()  # a wrong endpoint: a clear error in seconds, not the client's long retries
         q = Quarantine(client, args.run_id)
         if args.action == "list":
             for node, record in sorted(q.all().items()):
