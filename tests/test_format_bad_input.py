@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -176,12 +177,23 @@ def test_manifest_encoding_round_trips_any_manifest():
     @st.composite
     def tensor(draw, name):
         shape = tuple(draw(dims))
-        chunks = [ChunkRecord(draw(st.sampled_from(["a-000001/r00000-p0000.bin", 'we"ird\\/obj.bin'])),
-                              draw(st.integers(0, 1 << 40)), n := draw(st.integers(0, 1 << 20)), n,
-                              (0,) * len(shape), shape, f"crc32c:{draw(st.integers(0, 2**32 - 1)):08x}",
-                              draw(st.sampled_from(["none", "zstd"])))
-                  for _ in range(draw(st.integers(0, 3)))]
-        return TensorRecord(name, shape, draw(st.sampled_from(["float32", "bfloat16", "int64"])), chunks)
+        dtype, itemsize = draw(st.sampled_from([("float32", 4), ("bfloat16", 2), ("int64", 8)]))
+        # up to 3 chunks, disjoint slices of dim 0 (a manifest's chunks never overlap)
+        cuts = sorted(draw(st.lists(st.integers(0, shape[0]), max_size=3, unique=True)) + [shape[0]])
+        chunks = []
+        for lo, hi in zip([0] + cuts, cuts):
+            if hi <= lo or draw(st.booleans()):
+                continue
+            sizes = (hi - lo,) + shape[1:]
+            raw = itemsize
+            for d in sizes:
+                raw *= d
+            comp = draw(st.sampled_from(["none", "zstd"]))
+            chunks.append(ChunkRecord(draw(st.sampled_from(["a-000001/r00000-p0000.bin", 'we"ird\\/obj.bin'])),
+                                      draw(st.integers(0, 1 << 40)), raw if comp == "none" else draw(st.integers(0, 1 << 20)),
+                                      raw, (lo,) + (0,) * (len(shape) - 1), sizes,
+                                      f"crc32c:{draw(st.integers(0, 2**32 - 1)):08x}", comp))
+        return TensorRecord(name, shape, dtype, chunks)
 
     @st.composite
     def manifest(draw):
@@ -207,3 +219,57 @@ def test_manifest_encoding_round_trips_any_manifest():
         assert json.loads(doc) == plain
 
     check()
+
+
+def _edit_manifest(vdir: Path, edit) -> None:
+    mf = vdir / "manifest.json"
+    doc = json.loads(mf.read_text())
+    edit(doc)
+    mf.write_text(json.dumps(doc))
+
+
+def test_an_overlap_that_hides_a_gap_is_corrupt(two_versions, tmp_path):
+    """One digit of an offset changed: the element count still adds up, but rows of
+    the tensor are stored twice and others never; they must not reach the model."""
+    url, vdir = two_versions
+
+    def shift(doc):
+        chunks = doc["tensors"]["model/w"]["chunks"]
+        assert len(chunks) >= 2 and chunks[1]["offsets"][0] > 0
+        chunks[1]["offsets"][0] -= 1
+
+    _edit_manifest(vdir, shift)
+    with pytest.raises(SnapshotCorrupt, match="chunks of 'model/w' overlap"):
+        SnapshotReader(url).manifest(2)
+    got, st, evs = restore_with_events(url, tmp_path)
+    assert got.step == 1 and torch.equal(st["model"]["w"], state_at(1)["model"]["w"])
+    assert [e["error_type"] for e in evs if e["event"] == "restore_fallback"] == ["SnapshotCorrupt"]
+
+
+@pytest.mark.parametrize("field,value", [("length", 2**45), ("raw_length", 2**45), ("raw_length", -8)])
+def test_byte_counts_that_disagree_with_the_box_are_corrupt(two_versions, tmp_path, field, value):
+    url, vdir = two_versions
+    _edit_manifest(vdir, lambda doc: doc["tensors"]["model/w"]["chunks"][0].__setitem__(field, value))
+    with pytest.raises(SnapshotCorrupt):
+        SnapshotReader(url).manifest(2)
+    assert restore_with_events(url, tmp_path)[0].step == 1
+
+
+@pytest.mark.parametrize("created", ["10" * 200, "1e400"])
+def test_an_absurd_number_is_corrupt_not_an_overflow(two_versions, tmp_path, created):
+    url, vdir = two_versions
+    mf = vdir / "manifest.json"
+    text, n = re.subn(r'"created":\s*[-0-9.eE+]+', f'"created": {created}', mf.read_text())
+    assert n == 1
+    mf.write_text(text)
+    with pytest.raises(SnapshotCorrupt, match="created"):
+        SnapshotReader(url).manifest(2)
+    assert restore_with_events(url, tmp_path)[0].step == 1
+
+
+@pytest.mark.parametrize("name", ["step-²", "step-1", "step-00000000000x"])
+def test_a_stray_version_directory_is_ignored(two_versions, tmp_path, name):
+    url, vdir = two_versions
+    (vdir.parent / name).mkdir()
+    assert sorted(SnapshotReader(url).complete_steps()) == [1, 2]
+    assert restore_with_events(url, tmp_path)[0].step == 2

@@ -3,6 +3,7 @@ and another copy (or tier) used; the bad bytes never reach the state."""
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import pytest
@@ -62,7 +63,8 @@ def _assert_same(target: dict, original: dict) -> None:
     assert torch.equal(target["optim"]["w"]["exp_avg"], original["optim"]["w"]["exp_avg"])
 
 
-def test_corrupt_peer_copy_is_skipped_for_another(tmp_path):
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_peer_copy_is_skipped_for_another(tmp_path, damage):
     with _nodes(tmp_path, ["writer", "b", "c", "reader"]) as (stores, servers):
         original = _state(1)
         with Snapshotter(stores["writer"].url, commit=False, compress="none", chunk_bytes=2048) as snap:
@@ -73,7 +75,11 @@ def test_corrupt_peer_copy_is_skipped_for_another(tmp_path):
             with PeerClient(servers[peer].address, SECRET) as c:
                 for rel in files:
                     c.put(rel, stores["writer"].read(rel))
-        _flip_byte(stores["b"].file(files[0]), 100, 0x40)  # one flipped bit in b's copy, at rest
+        bad_file = stores["b"].file(files[0])
+        if damage == "flip":
+            _flip_byte(bad_file, 100, 0x40)  # one flipped bit in b's copy, at rest
+        else:
+            os.truncate(bad_file, os.path.getsize(bad_file) - 7)  # a short copy is as bad
 
         events, reader = _reader(tmp_path, v.attempt, ["b", "c"], servers)
         target = _state(2)
@@ -83,7 +89,8 @@ def test_corrupt_peer_copy_is_skipped_for_another(tmp_path):
         _assert_same(target, original)
         evs = list(read_events(tmp_path / "events.jsonl"))
         bad = [e for e in evs if e["event"] == "restore_fallback"]
-        assert bad and bad[0]["holder"] == "b" and bad[0]["copy_skipped"] and "checksum" in bad[0]["error"]
+        assert bad and bad[0]["holder"] == "b" and bad[0]["copy_skipped"]
+        assert ("checksum" if damage == "flip" else "bytes") in bad[0]["error"]
         (ok,) = [e for e in evs if e["event"] == "restore"]
         assert ok["tier"] == "peer"
 

@@ -47,7 +47,7 @@ from typing import Any
 from resilient.snapshot.api import ChunkRecord, Manifest, SnapshotError, SnapshotIncomplete, TensorRecord
 from resilient.snapshot.capture import Slot, SlotRing, chunk_views
 from resilient.snapshot.format import (
-    MANIFEST_NAME, checksum, compress, dtype_name, manifest_from_json, manifest_to_json,
+    MANIFEST_NAME, check_no_overlap, checksum, compress, dtype_name, manifest_from_json, manifest_to_json,
     should_compress, version_dir,
 )
 from resilient.snapshot.nodestore import BELL, SPARES, Doorbell, Spares
@@ -349,6 +349,7 @@ def merge_rank_manifests(parts: list[Manifest], where: str) -> Manifest:
         for k, v in m.values.items():
             values.setdefault(k, v)
     for t in tensors.values():
+        check_no_overlap(t, where)  # across ranks: then the count below means tiled
         covered = sum(_volume(c.sizes) for c in t.chunks)
         if covered != t.numel:
             raise SnapshotIncomplete(f"{where}: {t.name!r} has {covered} of {t.numel} elements stored", where)

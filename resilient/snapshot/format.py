@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import zlib
 from array import array
@@ -56,7 +57,12 @@ def parse_version_dir(name: str) -> int | None:
     if not base.startswith(VERSION_PREFIX):
         return None
     digits = base[len(VERSION_PREFIX):]
-    return int(digits) if digits.isdigit() else None
+    # ASCII digits, as version_dir writes them: str.isdigit() also takes "²", which int()
+    # refuses, and a short "step-1" would alias "step-000000000001".
+    return int(digits) if _VERSION_DIGITS.fullmatch(digits) else None
+
+
+_VERSION_DIGITS = re.compile(r"[0-9]{12,}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -294,7 +300,36 @@ def _ints(value: Any, key: str, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _chunk_from_json(doc: Any, shape: tuple[int, ...], name: str, where: str) -> ChunkRecord:
+def first_overlap(chunks: list[ChunkRecord]) -> tuple[ChunkRecord, ChunkRecord] | None:
+    """Two chunks that store a common element of their tensor, or None.
+
+    Why: coverage is checked by counting elements, and an overlap can hide a gap
+    of the same size (one flipped digit in an offset); the gap would then reach
+    the model as whatever the staging memory held. A sweep along dim 0 compares
+    each chunk only with those whose rows it shares."""
+    boxes = [c for c in chunks if all(s > 0 for s in c.sizes)]
+    if boxes and not boxes[0].offsets:  # a 0-d tensor: one element, so one chunk
+        return (boxes[0], boxes[1]) if len(boxes) > 1 else None
+    active: list[ChunkRecord] = []
+    for c in sorted(boxes, key=lambda c: c.offsets):
+        active = [a for a in active if a.offsets[0] + a.sizes[0] > c.offsets[0]]
+        for a in active:
+            if all(o < p + t and p < o + s for o, s, p, t in zip(c.offsets, c.sizes, a.offsets, a.sizes)):
+                return a, c
+        active.append(c)
+    return None
+
+
+def check_no_overlap(t: TensorRecord, where: str) -> None:
+    """Raise :class:`SnapshotCorrupt` if two chunks of ``t`` overlap (see :func:`first_overlap`)."""
+    pair = first_overlap(t.chunks)
+    if pair is not None:
+        a, b = pair
+        raise SnapshotCorrupt(f"{where}: chunks of {t.name!r} overlap ({list(a.offsets)}+{list(a.sizes)} and "
+                              f"{list(b.offsets)}+{list(b.sizes)}); the manifest is damaged", where)
+
+
+def _chunk_from_json(doc: Any, shape: tuple[int, ...], itemsize: int, name: str, where: str) -> ChunkRecord:
     if not isinstance(doc, dict):
         raise SnapshotCorrupt(f"{where}: a chunk of {name!r} is not an object", where)
     offsets = _ints(_need(doc, "offsets", list, where), "offsets", where)
@@ -311,6 +346,14 @@ def _chunk_from_json(doc: Any, shape: tuple[int, ...], name: str, where: str) ->
         raise SnapshotCorrupt(f"{where}: a chunk of {name!r} has a bad object path or range", where)
     if c.compression not in ("none", "zstd"):
         raise SnapshotCorrupt(f"{where}: unknown compression {c.compression!r}", where)
+    # The byte counts must agree with the box: a reader sizes its reads by them, and a
+    # garbled length must not make it allocate terabytes.
+    numel = 1
+    for size in sizes:
+        numel *= size
+    if c.raw_length != numel * itemsize or (c.compression == "none" and c.length != c.raw_length):
+        raise SnapshotCorrupt(f"{where}: a chunk of {name!r} says {c.length}/{c.raw_length} bytes for "
+                              f"{numel} elements of {itemsize} bytes; the manifest is damaged", where)
     return c
 
 
@@ -336,9 +379,10 @@ def manifest_from_json(data: bytes, where: str) -> Manifest:
             raise SnapshotCorrupt(f"{where}: tensor {name!r} is not an object", where)
         shape = _ints(_need(t, "shape", list, where), "shape", where)
         dtype = _need(t, "dtype", str, where)
-        dtype_from_name(dtype, where)
-        chunks = [_chunk_from_json(c, shape, name, where) for c in _need(t, "chunks", list, where)]
+        itemsize = dtype_from_name(dtype, where).itemsize
+        chunks = [_chunk_from_json(c, shape, itemsize, name, where) for c in _need(t, "chunks", list, where)]
         tensors[name] = TensorRecord(name, shape, dtype, chunks)
+        check_no_overlap(tensors[name], where)
     ranks = _need(doc, "ranks", dict, where)
     try:
         rank_extras = {int(r): v.get("extra") for r, v in ranks.items()}
@@ -350,5 +394,15 @@ def manifest_from_json(data: bytes, where: str) -> Manifest:
         layout=_need(doc, "layout", dict, where), config_digest=_need(doc, "config_digest", str, where),
         attempt=_need(doc, "attempt", str, where), tensors=tensors,
         values=_need(doc, "values", dict, where), rank_extras=rank_extras, extra=doc.get("extra"),
-        created=float(_need(doc, "created", (int, float), where)),
+        created=_finite(_need(doc, "created", (int, float), where), "created", where),
         rank=rank if isinstance(rank, int) else None, format_version=version)
+
+
+def _finite(value: int | float, key: str, where: str) -> float:
+    try:
+        out = float(value)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
+        raise SnapshotCorrupt(f"{where}: manifest field {key!r} is not a finite number", where)
+    return out

@@ -212,13 +212,13 @@ class MemoryReader:
         for holder in self._holders(rank):
             try:
                 return check(self._fetch(holder, rel, offset, length, into))
-            except SnapshotCorrupt as e:
-                emit(self.events, "restore_fallback", step=self.plan["step"], url=self.url, error=str(e),
-                     error_type=type(e).__name__, obj=f"{holder}:{rel}", holder=holder, copy_skipped=True,
-                     tier="local" if holder == self.info.node else "peer")
-                last = e
             except (SnapshotError, OSError) as e:
+                # every skipped copy is reported: a damaged one (CRC), and a short or
+                # missing one, which is as bad for this restore
                 last = e if isinstance(e, SnapshotError) else SnapshotIncomplete(str(e), rel)
+                emit(self.events, "restore_fallback", step=self.plan["step"], url=self.url, error=str(last),
+                     error_type=type(last).__name__, obj=f"{holder}:{rel}", holder=holder, copy_skipped=True,
+                     tier="local" if holder == self.info.node else "peer")
         raise last or SnapshotIncomplete(f"{self.url}: no live holder of rank {rank}", rel)
 
     def manifest(self, step: int) -> Manifest:
