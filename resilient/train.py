@@ -204,6 +204,7 @@ class Trainer:
         self.optimizer.zero_grad()
         if self.sdc is not None:
             self._act_on(self.sdc.after_optimizer_step(step + 1, self.model.parts))
+            self.state.keep_verified(self.sdc.last_verified)
         # the SDC exchange already gathered every rank's loss: no second collective for the log
         loss = self.sdc.loss_mean if self.sdc is not None and self.sdc.loss_mean is not None else (
             self._global_mean(local_loss))
@@ -256,18 +257,24 @@ class Trainer:
         step was saved (the check runs before its optimizer step), so the
         newest complete version is clean. Load it and train on from there."""
         self.optimizer.zero_grad()
+        self.state.wait_idle()
         if decision.action is Action.QUARANTINE:
             # A bad device: its worker leaves with the exit code that tells its
             # agent to quarantine the node; everyone else leaves too, so the
             # agents re-form without that node (a spare takes its place) and
-            # every rank restores the last clean version.
+            # every rank restores the last clean version: the newer ones are
+            # gone before anyone leaves (the barrier), so none can be restored.
+            if decision.rollback_to is not None:
+                self.state.abandon_after(decision.rollback_to)
+            if dist.is_initialized():
+                dist.barrier()
             if self.rank in decision.quarantine:
                 raise SystemExit(QUARANTINE_EXIT)
             raise SystemExit(1)
-        self.state.wait_idle()
         # The monitor's bound: versions after it may hold the corruption.
         restored = self.state.restore(max_step=decision.rollback_to)
         self.step = restored.step if restored is not None else 0
+        self.state.abandon_after(self.step)
         if restored is None:  # nothing saved yet: start over from the seed
             for part in self.model.parts:
                 init_parameters(part, self.cfg.train.seed)

@@ -39,6 +39,8 @@ from resilient.sdc.checksums import local as _local
 from resilient.snapshot.api import StorageError
 from resilient.snapshot.flatten import iter_leaves
 from resilient.snapshot.restore import restore_candidates
+from resilient.snapshot.retention import drop_after
+from resilient.snapshot.storage import open_url
 from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
 
 # A failing rank's wait for its in-flight snapshot writes: the node store's (tmpfs) take
@@ -301,6 +303,26 @@ class TrainState:
         reshard``) can check a target layout without our config file."""
         return {"step": step, "sample_index": step * self.cfg.train.global_batch,
                 "config": {"model": dataclasses.asdict(self.cfg.model)}}
+
+    def keep_verified(self, step: int) -> None:
+        """The SDC checks verified the state of ``step``: a rollback would go back there,
+        so durable retention must keep a version at or below it."""
+        if self.durable is not None:
+            self.durable.keep_at_or_below(step)
+
+    def abandon_after(self, step: int) -> None:
+        """At a rollback to ``step``: no restart may ever restore a newer version (it may
+        hold the corruption rolled back from). Rank 0 drops their commit records in etcd
+        (memory tiers) and deletes them from the durable tier; call after
+        :meth:`wait_idle`, so no write of theirs is still in flight."""
+        if self.durable is None or self.durable.rank != 0:
+            return
+        if self.store is not None:
+            forget_after(self.store, step)
+        fs, root = open_url(self.durable.url, self.durable.storage_options)
+        dropped = drop_after(fs, root, step)
+        if dropped:
+            self.events.emit("gc", step=step, removed=dropped, kept=[], reason="rollback")
 
     def wait_idle(self, timeout: timedelta = timedelta(minutes=10)) -> None:
         """Let captured versions finish writing (before a rollback picks the newest)."""

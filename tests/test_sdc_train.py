@@ -60,6 +60,25 @@ def test_parameter_flip_rolls_back(corpus, tmp_path, reference):
     assert digests(run) == digests(reference)
 
 
+def test_sparse_checks_roll_back_to_the_verified_version_and_abandon_the_rest(corpus, tmp_path, reference):
+    """Parameters verified every 2 steps, durable retention of 1 version: a flip after
+    step 4 is seen at step 5, when only step 2's state is verified. Retention kept
+    version 2 for that (not just the newest), the rollback restores it, and version 4
+    (3 went to retention) is deleted, so no later restart can restore a state the check
+    never cleared."""
+    run = tmp_path / "sparse"
+    over = tiny_overrides(corpus, 6, **{"snapshot.durable_every": 1, "snapshot.keep_last": 1,
+                                        "sdc.param_check_every": 2, "sdc.state_check_every": 2})
+    run_launch(DEMO, run, over + [flip("param", "layers.0.feed_forward.w1.weight", 31, 0, 4)], nproc=2)
+    assert [e["step"] for e in events(run, "sdc_suspect") if e["rank"] == 0] == [5]
+    (rollback,) = [e for e in events(run, "rollback") if e["rank"] == 0 and "step" not in e]
+    assert rollback["to_step"] == 2
+    assert [(e["step"], e["tier"]) for e in events(run, "restore") if e["rank"] == 0] == [(2, "durable")]
+    (abandoned,) = [e for e in events(run, "gc") if e.get("reason") == "rollback"]
+    assert abandoned["removed"] == [4]
+    assert digests(run) == digests(reference)
+
+
 @pytest.mark.timeout(600)
 def test_persistent_fault_quarantines_the_node_and_a_spare_takes_over(corpus, tmp_path, reference, monkeypatch):
     """Node b's device corrupts the same gradient at every step from step 3:

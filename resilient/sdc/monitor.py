@@ -556,6 +556,12 @@ class SdcMonitor:
             step = min((s.step for s in d.suspicions), default=-1)
             raise SdcDetected(r, d.devices.get(r, ""), ",".join(kinds), step)
 
+    @property
+    def last_verified(self) -> int:
+        """The newest step whose state the at-rest checks verified clean (-1: the initial
+        state): where a rollback would go back to."""
+        return self._last_verified
+
     def note_restored(self, step: int) -> None:
         """Tell the monitor the loop restored the version of ``step`` (resets at-rest hashes)."""
         self.resting.clear()

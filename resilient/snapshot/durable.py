@@ -208,6 +208,7 @@ class Committer:
     def __init__(self, fs, root: str, world: int, opts: DurableOptions, events: Any, url: str):
         self.fs, self.root, self.world, self.opts, self.events, self.url = fs, root, world, opts, events, url
         self.committed: int | None = None
+        self.floor: int | None = None  # retention keeps the newest version at or below it
         self._pending: dict[int, tuple[str, float]] = {}  # step -> (attempt dir, since)
         self._cond = threading.Condition()
         self._stop = False
@@ -305,7 +306,8 @@ class Committer:
             protect = set(self._pending)
         try:
             removed, kept = with_retry(
-                lambda: collect_garbage(self.fs, self.root, self.opts.keep_last, self.opts.keep_every, protect),
+                lambda: collect_garbage(self.fs, self.root, self.opts.keep_last, self.opts.keep_every, protect,
+                                        self.floor),
                 self.root, self.opts.retry)
         except Exception as e:  # retention failing must not undo a commit
             emit(self.events, "upload_error", step=step, phase="gc", error=f"{type(e).__name__}: {e}")

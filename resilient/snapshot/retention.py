@@ -33,13 +33,18 @@ def list_versions(fs: fsspec.AbstractFileSystem, root: str) -> dict[int, tuple[s
 
 
 def plan_retention(versions: dict[int, bool], keep_last: int, keep_every: int,
-                   protect: set[int] = frozenset()) -> list[int]:
-    """Steps to delete, given ``{step: complete}``. Pure, so it is easy to test."""
+                   protect: set[int] = frozenset(), floor: int | None = None) -> list[int]:
+    """Steps to delete, given ``{step: complete}``. Pure, so it is easy to test.
+
+    ``floor``: also keep the newest complete version at or below it (the last one the
+    SDC checks verified: a rollback goes back there, however many versions came since)."""
     complete = sorted(s for s, ok in versions.items() if ok)
     if not complete:
         return []
     newest = complete[-1]
     keep = set(complete[-max(keep_last, 1):]) | {newest} | set(protect)
+    if floor is not None:
+        keep |= set([s for s in complete if s <= floor][-1:])
     if keep_every > 0:
         keep |= {s for s in complete if s % keep_every == 0}
     return sorted(s for s, ok in versions.items()
@@ -47,18 +52,32 @@ def plan_retention(versions: dict[int, bool], keep_last: int, keep_every: int,
 
 
 def collect_garbage(fs: fsspec.AbstractFileSystem, root: str, keep_last: int, keep_every: int,
-                    protect: set[int] = frozenset()) -> tuple[list[int], list[int]]:
+                    protect: set[int] = frozenset(), floor: int | None = None) -> tuple[list[int], list[int]]:
     """Apply retention under ``root``; returns (removed steps, kept complete steps)."""
     versions = list_versions(fs, root)
-    doomed = plan_retention({s: ok for s, (_, ok) in versions.items()}, keep_last, keep_every, protect)
-    for step in doomed:
-        path, ok = versions[step]
-        if ok:
+    doomed = plan_retention({s: ok for s, (_, ok) in versions.items()}, keep_last, keep_every, protect, floor)
+    _remove(fs, [versions[s] for s in doomed])
+    kept = sorted(s for s, (_, ok) in versions.items() if ok and s not in doomed)
+    fs.invalidate_cache(root)
+    return doomed, kept
+
+
+def drop_after(fs: fsspec.AbstractFileSystem, root: str, step: int) -> list[int]:
+    """Delete every version newer than ``step`` (a rollback abandons them: they may hold
+    the corruption it rolls back from); returns their steps."""
+    versions = list_versions(fs, root)
+    doomed = sorted(s for s in versions if s > step)
+    _remove(fs, [versions[s] for s in doomed])
+    fs.invalidate_cache(root)
+    return doomed
+
+
+def _remove(fs: fsspec.AbstractFileSystem, versions: list[tuple[str, bool]]) -> None:
+    """Delete versions, each manifest first: a half-deleted version never looks complete."""
+    for path, complete in versions:
+        if complete:
             fs.rm_file(f"{path}/{MANIFEST_NAME}")
         try:
             fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
-    kept = sorted(s for s, (_, ok) in versions.items() if ok and s not in doomed)
-    fs.invalidate_cache(root)
-    return doomed, kept

@@ -242,6 +242,12 @@ class Snapshotter:
             ok = self._committer.wait_idle(timeout) and ok
         return ok
 
+    def keep_at_or_below(self, step: int) -> None:
+        """Retention keeps the newest complete version at or below ``step`` from now on
+        (rank 0 applies retention; elsewhere a no-op)."""
+        if self._committer is not None:
+            self._committer.floor = step
+
     def upload_error(self, step: int) -> str | None:
         """Why this rank's write of ``step`` failed (after :meth:`wait`); None if it did not."""
         return self._uploader.errors.get(step)
