@@ -176,3 +176,39 @@ def test_the_agents_push_sends_intact_parts_without_rereading_and_refuses_a_dama
     finally:
         rep.close()
         src.remove()
+
+
+def test_a_push_after_the_store_closed_leaves_nothing_behind(tmp_path):
+    """A peer's replicator keeps its connection open; a push that arrives after the
+    agent closed its server and removed its store must not build a new tree in
+    shared memory (no owner file: no reclaim would ever remove it)."""
+    store = NodeStore(tmp_path, "job", "a")
+    store.create()
+    srv = PeerServer(store, SECRET, host="127.0.0.1")
+    client = PeerClient(srv.address, SECRET)
+    try:
+        srv.close()
+        store.remove()
+        with pytest.raises((PeerError, OSError)):
+            client.put("step-000000000007/abc-000001/r00000-p0000.bin", b"x" * 4096)
+    finally:
+        client.close()
+    assert not any(tmp_path.iterdir())
+
+
+def test_store_directories_are_private_and_names_are_checked_whole(tmp_path):
+    from resilient.snapshot.nodestore import check_rel
+
+    store = NodeStore(tmp_path, "job", "a")
+    store.create()
+    w = store.writer("step-000000000007/abc-000001/r00000.json")
+    w.write(b"{}")
+    w.commit(2, crc(b"{}"))
+    for d in (store.path / "step-000000000007", store.path / "step-000000000007" / "abc-000001"):
+        assert d.stat().st_mode & 0o777 == 0o700
+    with pytest.raises(ValueError):
+        check_rel("step-000000000007/abc-000001/r00000.json\n")
+    store.remove()
+    with pytest.raises(FileNotFoundError):
+        store.writer("step-000000000007/abc-000001/r00000.json")
+    assert not any(tmp_path.iterdir())

@@ -48,7 +48,7 @@ SPARES = ".spare"  # retired data files, rewritten in place by the next writers 
 BELL = ".bell"     # the agent's doorbell socket: a rank rings it when a version landed (see Doorbell)
 COMMITTED = "committed.json"  # {"local": step, "peer": step}: the agent's newest commits, for progress lines
 # Everything a store holds has one of these names; anything else is refused (no "..", no absolute paths).
-_REL = re.compile(r"^step-\d{12}/[0-9a-zA-Z]{1,40}-\d{6}/r\d{5}(-p\d{4}\.bin|\.json)$")
+_REL = re.compile(r"step-[0-9]{12}/[0-9a-zA-Z]{1,40}-[0-9]{6}/r[0-9]{5}(-p[0-9]{4}\.bin|\.json)")
 _RANK = re.compile(r"/r(\d{5})(?:-p\d{4}\.bin|\.json)$")
 
 
@@ -58,7 +58,7 @@ def job_dir(base: str | os.PathLike, run_id: str) -> Path:
 
 def check_rel(rel: str) -> str:
     """Raise ValueError unless ``rel`` is a store object name (``step-S/ATTEMPT/rRRRRR...``)."""
-    if not isinstance(rel, str) or not _REL.match(rel):
+    if not isinstance(rel, str) or not _REL.fullmatch(rel):
         raise ValueError(f"{rel!r} is not a snapshot store object name")
     return rel
 
@@ -237,7 +237,20 @@ class NodeStore:
         return out
 
     def writer(self, rel: str) -> "AtomicWriter":
-        return AtomicWriter(self.file(rel), self.spares)
+        """A writer of ``rel``; FileNotFoundError once the store was removed (a peer's push
+        arriving after the agent closed it must not build a new, ownerless tree that no
+        reclaim would ever find)."""
+        path = self.file(rel)
+        parent = path.parent
+        missing = []
+        while parent != self.path and not parent.is_dir():
+            missing.append(parent)
+            parent = parent.parent
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"{self.path}: node {self.node}'s store is gone")
+        for d in reversed(missing):
+            d.mkdir(mode=0o700, exist_ok=True)  # private, as the node's own directory
+        return AtomicWriter(path, self.spares)
 
     @property
     def spares(self) -> "Spares":
@@ -399,7 +412,6 @@ class AtomicWriter:
 
     def __init__(self, path: Path, spares: Spares | None = None):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
         self.f = open_for_rewrite(self.tmp, spares if path.suffix == ".bin" else None)
         self.crc = 0

@@ -128,10 +128,12 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             if not self._auth(sock, owner.secret):
                 return
-            while True:
+            while not owner.closed:  # a closed server answers nothing more
                 try:
                     req = _recv_header(sock)
                 except ConnectionError:
+                    return
+                if owner.closed:
                     return
                 self._serve(sock, owner.store, req)
         except (OSError, ValueError) as e:
@@ -142,7 +144,8 @@ class _Handler(socketserver.BaseRequestHandler):
         _send(sock, {"nonce": nonce.hex()})
         hello = _recv_header(sock)
         theirs = bytes.fromhex(str(hello.get("nonce", "")))
-        if len(theirs) != 32 or not hmac.compare_digest(str(hello.get("mac", "")), _mac(secret, b"client", nonce)):
+        mac = str(hello.get("mac", "")).encode("utf-8", "replace")  # compare_digest refuses non-ASCII str
+        if len(theirs) != 32 or not hmac.compare_digest(mac, _mac(secret, b"client", nonce).encode()):
             _send(sock, {"ok": False, "error": "authentication failed: wrong job secret"})
             return False
         _send(sock, {"ok": True, "mac": _mac(secret, b"server", theirs, nonce)})
@@ -204,6 +207,7 @@ class PeerServer:
     def __init__(self, store: NodeStore, secret: bytes, host: str = "0.0.0.0",
                  advertise: str = "", io_timeout: timedelta = timedelta(seconds=30)):
         self.store, self.secret, self.io_timeout = store, secret, io_timeout
+        self.closed = False
         self._srv = _Server((host, 0), _Handler)
         self._srv.owner = self
         self.port = self._srv.server_address[1]
@@ -213,6 +217,7 @@ class PeerServer:
         self._thread.start()
 
     def close(self) -> None:
+        self.closed = True
         self._srv.shutdown()
         self._srv.server_close()
         self._thread.join(5)
