@@ -147,17 +147,24 @@ def prepare(source: str, out: str | os.PathLike, max_bytes: int = 0) -> Path:
     return out
 
 
-def ensure_corpus(path: str, source: str, max_bytes: int = 0) -> Path:
-    """The corpus at ``path``, prepared from ``source`` first if it is missing."""
+def check_corpus(path: str, source: str) -> None:
+    """Raise :class:`DataError` if a run could neither find nor build its corpus
+    (the launcher asks before it starts anything; a worker would fail at start-up)."""
     if not path:
         raise DataError("no corpus: set 'data.path' to a folder made by `resilient data prepare`")
     p = Path(path).expanduser()
+    if not source and not (p / "meta.json").exists():
+        raise DataError(
+            f"no corpus at {p} (meta.json missing): run `resilient data prepare SRC {p}` "
+            f"or set 'data.source' so the run builds it"
+        )
+
+
+def ensure_corpus(path: str, source: str, max_bytes: int = 0) -> Path:
+    """The corpus at ``path``, prepared from ``source`` first if it is missing."""
+    check_corpus(path, source)
+    p = Path(path).expanduser()
     if not (p / "meta.json").exists():
-        if not source:
-            raise DataError(
-                f"no corpus at {p} (meta.json missing): run `resilient data prepare SRC {p}` "
-                f"or set 'data.source' so the run builds it"
-            )
         prepare(source, p, max_bytes)
     return p
 

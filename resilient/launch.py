@@ -91,6 +91,9 @@ def prepare_run(args: argparse.Namespace) -> tuple[Config, Path, Path, int, tupl
             bad.append(f"{n} node(s) × {nproc} = {n * nproc} processes: {e}")
     if bad:
         raise ConfigError("the layout does not fit every world size this job may take:\n  " + "\n  ".join(bad))
+    from resilient.data import check_corpus  # imports torch: after the quick checks
+
+    check_corpus(cfg.data.path, cfg.data.source)  # before etcd and workers start, not in each worker
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem).resolve()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

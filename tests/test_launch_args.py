@@ -64,3 +64,11 @@ def test_transient_errors_are_still_retried():
         return "ok"
 
     assert with_retry(flaky, "obj", RetryPolicy()) == "ok" and len(calls) == 3
+
+
+def test_a_missing_corpus_is_refused_before_anything_starts(tmp_path, capsys):
+    rc = main(["launch", DEMO, "--run-dir", str(tmp_path / "run"), "--set", f'data.path="{tmp_path / "none"}"',
+               "--set", 'data.source=""'])
+    assert rc == 2
+    assert "no corpus at" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # no agent, no etcd, no worker ran
