@@ -150,8 +150,8 @@ def test_errors_are_typed_and_say_what_to_do(ckpt, capsys, tmp_path):
     rc, _, err = run(capsys, "inspect", f"{ckpt}@15")
     assert rc == 2 and "NoSnapshotFound" in err and "[2, 4]" in err
     (tmp_path / "empty").mkdir()
-    rc, out, _ = run(capsys, "verify", tmp_path / "empty")
-    assert rc == 1 and "no snapshot versions" in out
+    rc, _, err = run(capsys, "verify", tmp_path / "empty")  # nothing to judge: an error, not a verdict
+    assert rc == 2 and "NoSnapshotFound" in err and "no snapshot versions" in err
     root = _copy(ckpt, tmp_path / "m")
     man = root / "step-000000000004" / "manifest.json"
     text = man.read_text()

@@ -18,16 +18,33 @@ from resilient.errors import ResilientError
 URL_HELP = "checkpoint URL (folder, file://, s3://, any fsspec URL), optionally @STEP (default: newest complete)"
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= ``low`` (0 MB blocks, 0 threads or 0 MB in flight would hang or divide by 0)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low} (got {v})")
+        return v
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = _at_least(1), _at_least(0)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient ckpt", description="Inspect, verify, reshard, convert, diff and "
                                 "garbage-collect resilient checkpoints. Everything streams: memory stays a few "
                                 "row blocks, whatever the checkpoint's size.")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--progress", action="store_true", help="progress bar on stderr even when it is not a terminal")
-    p.add_argument("--threads", type=int, default=4, help="parallel chunk reads")
+    p.add_argument("--threads", type=POSITIVE, default=4, help="parallel chunk reads")
     p.add_argument("--storage-options", metavar="JSON", default="",
                    help='fsspec options for every URL, e.g. \'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\'')
-    p.add_argument("--inflight-mb", type=int, default=32,
+    p.add_argument("--inflight-mb", type=POSITIVE, default=32,
                    help="chunk reads in flight, in MB (at least one chunk); with --block-mb it bounds memory")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -48,10 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("url", help=URL_HELP)
     s.add_argument("--to", required=True, help="target layout, e.g. pp=2,dp=4,tp=2 (missing = 1; spr=N stages per rank)")
     s.add_argument("out", help="output checkpoint URL (the version keeps its step)")
-    s.add_argument("--n-heads", type=int, help="attention heads, when the manifest does not record the model config")
-    s.add_argument("--block-mb", type=int, default=32, help="row block size: bounds memory (default 32)")
-    s.add_argument("--chunk-mb", type=int, default=16, help="max chunk size written (default 16)")
+    s.add_argument("--n-heads", type=POSITIVE, help="attention heads, when the manifest does not record the model config")
+    s.add_argument("--block-mb", type=POSITIVE, default=32, help="row block size: bounds memory (default 32)")
+    s.add_argument("--chunk-mb", type=POSITIVE, default=16, help="max chunk size written (default 16)")
     s.add_argument("--compress", choices=("auto", "none", "zstd"), default="auto")
+    s.add_argument("--force", action="store_true", help="replace a version of this step already in OUT "
+                   "(complete or left by an interrupted run); the old one stays until the new one commits")
 
     s = sub.add_parser("convert", help="consolidated weights as safetensors, a torch DCP folder, or a torch.save file",
                        description="safetensors: streamed (memory: one block). torch-dcp: streamed through a "
@@ -61,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output file (safetensors, torch) or folder (torch-dcp)")
     s.add_argument("--format", required=True, choices=("safetensors", "torch-dcp", "torch"))
     s.add_argument("--optimizer", action="store_true", help="also export the optimizer state")
-    s.add_argument("--block-mb", type=int, default=32)
+    s.add_argument("--block-mb", type=POSITIVE, default=32)
+    s.add_argument("--force", action="store_true", help="overwrite an existing OUT (a file is replaced atomically)")
 
     s = sub.add_parser("import", help="a safetensors file, torch checkpoint or DCP folder into our format",
                        description="torch: torch.load(weights_only=True) only (no arbitrary unpickling). "
@@ -69,9 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("src", help="local file (safetensors, torch) or folder (torch-dcp)")
     s.add_argument("out", help="output checkpoint URL")
     s.add_argument("--from", dest="fmt", required=True, choices=("safetensors", "torch-dcp", "torch"))
-    s.add_argument("--step", type=int, default=0, help="step of the version written (default 0)")
-    s.add_argument("--block-mb", type=int, default=32)
+    s.add_argument("--step", type=NON_NEGATIVE, default=0, help="step of the version written (default 0)")
+    s.add_argument("--block-mb", type=POSITIVE, default=32)
     s.add_argument("--compress", choices=("auto", "none", "zstd"), default="auto")
+    s.add_argument("--force", action="store_true", help="replace a version of this step already in OUT "
+                   "(complete or left by an interrupted run); the old one stays until the new one commits")
 
     s = sub.add_parser("diff", help="tensor by tensor: equal, or max abs/rel difference; exit 1 if they differ")
     s.add_argument("a", help=URL_HELP)
@@ -79,13 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--atol", type=float, help="absolute tolerance (default: bitwise)")
     s.add_argument("--rtol", type=float, help="relative tolerance (default: bitwise)")
     s.add_argument("--all", action="store_true", help="also list equal tensors")
-    s.add_argument("--block-mb", type=int, default=16)
+    s.add_argument("--block-mb", type=POSITIVE, default=16)
     s.add_argument("--json", action="store_true")
 
     s = sub.add_parser("gc", help="retention: keep the last K (and every M-th), remove debris")
     s.add_argument("url", help="checkpoint URL")
-    s.add_argument("--keep-last", type=int, required=True)
-    s.add_argument("--keep-every", type=int, default=0)
+    s.add_argument("--keep-last", type=POSITIVE, required=True)
+    s.add_argument("--keep-every", type=NON_NEGATIVE, default=0)
     s.add_argument("--dry-run", action="store_true")
     return p
 
@@ -127,7 +149,7 @@ def _run(a: argparse.Namespace) -> int:
         from resilient_tools.reshard import reshard
         target = parse_target(a.to)
         r = reshard(open_source(a.url, a.threads), target, a.out, n_heads=a.n_heads, block_bytes=a.block_mb << 20,
-                    chunk_bytes=a.chunk_mb << 20, compress=a.compress, progress=progress)
+                    chunk_bytes=a.chunk_mb << 20, compress=a.compress, progress=progress, force=a.force)
         print(f"wrote {r.url} for {target.as_dict()}: {r.tensors} tensors, {r.bytes_read / 1e6:,.1f} MB in "
               f"{r.seconds:.2f}s ({r.bytes_read / 1e6 / max(r.seconds, 1e-9):,.0f} MB/s)")
         return 0
@@ -135,17 +157,17 @@ def _run(a: argparse.Namespace) -> int:
         from resilient_tools import convert
         src = open_source(a.url, a.threads)
         if a.format == "safetensors":
-            n = convert.to_safetensors(src, a.out, a.optimizer, a.block_mb << 20, progress)
+            n = convert.to_safetensors(src, a.out, a.optimizer, a.block_mb << 20, progress, force=a.force)
         elif a.format == "torch-dcp":
-            n = convert.to_dcp(src, a.out, a.optimizer, a.block_mb << 20, progress)
+            n = convert.to_dcp(src, a.out, a.optimizer, a.block_mb << 20, progress, force=a.force)
         else:
-            n = convert.to_torch(src, a.out, a.optimizer, progress)
+            n = convert.to_torch(src, a.out, a.optimizer, progress, force=a.force)
         print(f"wrote {a.out} ({a.format}, step {src.step}, {n / 1e6:,.1f} MB)")
         return 0
     if a.cmd == "import":
         from resilient_tools.importer import import_checkpoint
         url, n = import_checkpoint(a.src, a.out, a.fmt, step=a.step, block_bytes=a.block_mb << 20,
-                                   compress=a.compress, progress=progress)
+                                   compress=a.compress, progress=progress, force=a.force)
         print(f"wrote {url}: {n} tensors from {a.fmt}")
         return 0
     if a.cmd == "diff":
@@ -177,9 +199,38 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except KeyboardInterrupt:
-        print("interrupted; an unfinished output version has no manifest and is removed by 'ckpt gc'",
-              file=sys.stderr)
+        print(f"interrupted; {_INTERRUPTED.get(args.cmd, 'nothing was written')}", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 -- only storage credential errors are turned into an answer
+        typed = _credentials_error(e)
+        if typed is None:
+            raise
+        print(f"error: {type(typed).__name__}: {typed}", file=sys.stderr)
+        return 2
+
+
+# What an interrupted command leaves (the writers clean up after themselves; gc would keep an
+# incomplete version newer than every complete one forever, so "gc removes it" was not true).
+_INTERRUPTED = {
+    "reshard": "nothing was committed and the partial output was removed; if a step-* folder without "
+               "manifest.json is left in OUT (storage failed during the cleanup), rerun with --force",
+    "import": "nothing was committed and the partial output was removed; if a step-* folder without "
+              "manifest.json is left in OUT (storage failed during the cleanup), rerun with --force",
+    "convert": "OUT was not written (a local file appears only when complete; a torch-dcp folder may hold "
+               "partial files: rerun with --force)",
+    "gc": "versions are removed manifest first, so each left is complete or debris; rerun gc to finish",
+}
+
+
+def _credentials_error(e: BaseException) -> Exception | None:
+    """A BadUrl for botocore's missing/partial-credentials errors (not OSErrors, so nothing else maps them)."""
+    boto = sys.modules.get("botocore.exceptions")
+    if boto is None or not isinstance(e, (boto.NoCredentialsError, boto.PartialCredentialsError)):
+        return None
+    from resilient_tools.errors import BadUrl
+    return BadUrl(f"no usable storage credentials ({type(e).__name__}: {e}); set AWS_ACCESS_KEY_ID and "
+                  "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass them with --storage-options "
+                  "'{\"key\": \"...\", \"secret\": \"...\"}' ('{\"anon\": true}' for a public bucket)")
 
 
 if __name__ == "__main__":

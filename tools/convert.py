@@ -17,8 +17,13 @@ Formats and their memory bound (be honest, checkpoints outgrow RAM):
 
 Names: model tensors lose their ``model/`` prefix (``layers.0.attention.wq.weight``,
 what ``model.load_state_dict`` wants); with ``optimizer`` the optimizer
-state is added under ``optim/state/<param>/<key>`` (safetensors, torch) or
-DCP's own flattening ``optim.state.<param>.<key>`` with ``model.<param>``.
+state is added under its stored name (``optim/<param>/<key>`` as the runtime
+writes it, ``optim/state/<param>/<key>`` for a saved ``get_state_dict`` dict)
+for safetensors and torch, or DCP's own flattening of it
+(``optim.<param>.<key>`` / ``optim.state.<param>.<key>``) with ``model.<param>``.
+
+An existing OUT is never overwritten without ``force`` (and then atomically,
+on a local disk: the old file stays until the new one is complete).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from resilient.snapshot.api import TensorRecord
 from resilient.snapshot.format import dtype_from_name
 
 from resilient_tools.blocks import BlockBuffer, itemsize, read_blocks, tensor_bytes
-from resilient_tools.errors import ConvertError
+from resilient_tools.errors import ConvertError, OutputExists
 from resilient_tools.progress import Progress
 from resilient_tools.source import Source
 
@@ -75,7 +80,9 @@ def select(src: Source, optimizer: bool, dcp_names: bool = False) -> list[tuple[
 
 
 def _dcp_name(name: str) -> str:
-    """``optim/state/layers.0.w.weight/exp_avg`` -> ``optim.state.layers.0.w.weight.exp_avg`` (DCP's flattening)."""
+    """Our name as DCP flattens the nested dict: ``optim/state/layers.0.w.weight/exp_avg`` ->
+    ``optim.state.layers.0.w.weight.exp_avg``, the runtime's ``optim/layers.0.w.weight/exp_avg`` ->
+    ``optim.layers.0.w.weight.exp_avg`` (``importer._from_dcp_name`` inverts both)."""
     return ".".join(p.replace("~1", "/").replace("~0", "~") for p in name.split("/"))
 
 
@@ -86,30 +93,48 @@ def _stream(src: Source, rec: TensorRecord, buf: BlockBuffer, bar: Progress) -> 
         bar.advance(len(data))
 
 
-def _open_out(path: str):
-    """(file object, finish()) writing ``path`` atomically on a local disk, as a stream elsewhere."""
+def _check_out(path: str, force: bool):
+    """(fs, path) of a one-file OUT; OutputExists for a folder, or an existing file without ``force``."""
     import fsspec
-    from fsspec.implementations.local import LocalFileSystem
     from resilient_tools.source import STORAGE_OPTIONS
     fs, p = fsspec.core.url_to_fs(path, **STORAGE_OPTIONS)
+    if fs.isdir(p):
+        raise OutputExists(f"{path}: is a folder; safetensors and torch write one file: give a file path, "
+                           f"e.g. {path.rstrip('/')}/model.safetensors")
+    if fs.exists(p) and not force:
+        raise OutputExists(f"{path}: already exists; choose another OUT, or pass --force to replace it")
+    return fs, p
+
+
+def _open_out(path: str, force: bool = False):
+    """(file object, finish(ok)) writing ``path`` atomically on a local disk, as a stream elsewhere.
+
+    Refuses a folder, and an existing file unless ``force``, before anything is written."""
+    from fsspec.implementations.local import LocalFileSystem
+    fs, p = _check_out(path, force)
     if isinstance(fs, LocalFileSystem):
-        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
         tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
-        f = open(tmp, "wb")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+            f = open(tmp, "wb")
+        except OSError as e:
+            raise ConvertError(f"{path}: cannot write there ({type(e).__name__}: {e}); check the path") from None
 
         def finish(ok: bool) -> None:
-            f.close()
-            if ok:
-                os.replace(tmp, p)
-            else:
-                os.unlink(tmp)
+            try:
+                f.close()
+                if ok:
+                    os.replace(tmp, p)
+            finally:
+                if os.path.exists(tmp):  # not replaced (failed, interrupted): never leave it behind
+                    os.unlink(tmp)
         return f, finish
     f = fs.open(p, "wb")
     return f, lambda ok: f.close()
 
 
 def to_safetensors(src: Source, out: str, optimizer: bool = False, block_bytes: int = 32 << 20,
-                   progress: bool = True) -> int:
+                   progress: bool = True, force: bool = False) -> int:
     """Write one ``.safetensors`` file; returns its size in bytes."""
     items = select(src, optimizer)
     header: dict = {"__metadata__": {"format": "pt", "resilient_step": str(src.step),
@@ -126,7 +151,7 @@ def to_safetensors(src: Source, out: str, optimizer: bool = False, block_bytes: 
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     bar = Progress(f"convert step {src.step} -> safetensors", offset, progress)
-    f, finish = _open_out(out)
+    f, finish = _open_out(out, force)
     ok = False
     try:
         f.write(struct.pack("<Q", len(head)))
@@ -142,16 +167,17 @@ def to_safetensors(src: Source, out: str, optimizer: bool = False, block_bytes: 
     return 8 + len(head) + offset
 
 
-def to_torch(src: Source, out: str, optimizer: bool = False, progress: bool = True) -> int:
+def to_torch(src: Source, out: str, optimizer: bool = False, progress: bool = True, force: bool = False) -> int:
     """``torch.save`` of ``{name: tensor}``: holds the whole selection in RAM (torch.save needs it)."""
     items = select(src, optimizer)
+    _check_out(out, force)  # refuse a bad OUT before reading the whole selection into RAM
     bar = Progress(f"convert step {src.step} -> torch (in RAM)", sum(r.numel * itemsize(
         dtype_from_name(r.dtype, n)) for n, r in items), progress)
     state = {}
     for name, rec in items:
         state[name] = src.reader.read_region(src.manifest, rec.name)
         bar.advance(state[name].numel() * state[name].element_size())
-    f, finish = _open_out(out)
+    f, finish = _open_out(out, force)
     ok = False
     try:
         torch.save(state, f)
@@ -179,18 +205,23 @@ def _mapped(path: str, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) 
 
 
 def to_dcp(src: Source, out: str, optimizer: bool = False, block_bytes: int = 32 << 20,
-           progress: bool = True) -> int:
+           progress: bool = True, force: bool = False) -> int:
     """A DCP checkpoint directory at ``out`` (local); returns bytes of tensors written."""
     import torch.distributed.checkpoint as dcp
     if "://" in out and not out.startswith("file://"):
         raise ConvertError(f"{out}: torch-dcp output must be a local folder (torch's fsspec writer is private); "
                            "convert locally, then copy the folder")
     out = out.removeprefix("file://")
-    os.makedirs(out, exist_ok=True)
-    if os.path.exists(os.path.join(out, ".metadata")):
-        from resilient_tools.errors import OutputExists
-        raise OutputExists(f"{out}: already holds a DCP checkpoint (.metadata); choose another folder")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise OutputExists(f"{out}: is a file; torch-dcp writes a folder: choose another OUT")
+    if os.path.exists(os.path.join(out, ".metadata")) and not force:
+        raise OutputExists(f"{out}: already holds a DCP checkpoint (.metadata); choose another folder, or pass "
+                           "--force to overwrite it")
     items = select(src, optimizer, dcp_names=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ConvertError(f"{out}: cannot create the folder ({type(e).__name__}: {e}); check the path") from None
     sizes = [r.numel * itemsize(dtype_from_name(r.dtype, n)) for n, r in items]
     stage = os.path.join(out, f".staging-{uuid.uuid4().hex[:8]}.raw")
     bar = Progress(f"convert step {src.step} -> torch-dcp (staging)", sum(sizes), progress)

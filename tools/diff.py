@@ -4,7 +4,9 @@ Why: a resharded or converted checkpoint must hold the same numbers, and two
 runs that should be deterministic must end equal. Both sides are read in the
 same row blocks (two reused buffers), so memory stays a few blocks whatever
 the model's size. Differences use ``torch.allclose``'s rule:
-``|a - b| <= atol + rtol * |b|``; NaNs in the same place count as equal.
+``|a - b| <= atol + rtol * |b|``; equal values (also infinities of the same
+sign) and NaNs in the same place count as equal, an infinite difference never
+as close.
 """
 
 from __future__ import annotations
@@ -63,15 +65,18 @@ def _compare_block(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -
         x, y = a.to(torch.complex128), b.to(torch.complex128)
     else:
         x, y = a.to(wide), b.to(wide)
-    d = (x - y).abs()
-    both_nan = torch.isnan(x) & torch.isnan(y) if x.is_floating_point() or x.is_complex() else None
-    if both_nan is not None:
-        d = d.masked_fill(both_nan, 0)
-    ref = y.abs()
-    close = bool((d <= atol + rtol * ref).all())
+    # Equal values (inf == inf, 0.0 == -0.0) and NaNs in the same place are close at any tolerance:
+    # inf - inf is NaN and atol + rtol * |NaN| is NaN, so the plain rule called them different.
+    same = x == y
+    if x.is_floating_point() or x.is_complex():
+        same |= torch.isnan(x) & torch.isnan(y)
+    d = (x - y).abs().masked_fill(same, 0)
+    ref = y.abs().masked_fill(same, 0)
+    # where they differ, an infinite or NaN difference is never within tolerance (rtol * inf would say it is)
+    close = bool((same | (torch.isfinite(d) & (d <= atol + rtol * ref))).all())
     rel = d / ref.clamp_min(torch.finfo(d.dtype).tiny)
-    max_abs = float(torch.nan_to_num(d, nan=float("inf")).max())
-    max_rel = float(torch.nan_to_num(rel.masked_fill(d == 0, 0), nan=float("inf")).max())
+    max_abs = float(torch.nan_to_num(d, nan=float("inf"), posinf=float("inf")).max())
+    max_rel = float(torch.nan_to_num(rel.masked_fill(d == 0, 0), nan=float("inf"), posinf=float("inf")).max())
     return bad, max_abs, max_rel, close
 
 

@@ -1,17 +1,27 @@
-"""``ckpt gc``: apply retention by hand, with the runtime's own rules.
+"""``ckpt gc``: apply retention by hand, with the runtime's own rules, on versions that can be read.
 
-Uses :mod:`resilient.snapshot.retention` (the same plan the committer runs
-after each commit): keep the newest K complete versions and every M-th, never
-the newest complete one; remove incomplete versions older than it (debris of
-cut-short uploads). Incomplete versions newer than it may still be arriving
-and are kept. ``dry_run`` only says what would go.
+The plan is :func:`resilient.snapshot.retention.plan_retention` (what the
+committer runs after each commit): keep the newest K complete versions and
+every M-th, never the newest complete one; remove incomplete versions older
+than it (debris of cut-short uploads). Incomplete versions newer than it may
+still be arriving and are kept. ``dry_run`` only says what would go.
+
+What counts as complete differs from the runtime's listing on purpose: there
+a version is complete when ``manifest.json`` *exists*, so a garbled newest
+manifest was "the newest complete version" and retention deleted every
+readable one. Here a version counts only if its manifest *parses*; one whose
+manifest exists but does not parse (or is of a newer format) is neither
+counted nor deleted: it may be repairable, and deleting data is not gc's call
+to make on a guess. The newest readable version is therefore always kept.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from resilient.snapshot.retention import collect_garbage, list_versions, plan_retention
+from resilient.snapshot.api import SnapshotError, StorageError
+from resilient.snapshot.format import MANIFEST_NAME
+from resilient.snapshot.retention import list_versions, plan_retention
 from resilient.snapshot.storage import RetryPolicy, with_retry
 
 from resilient_tools.errors import CkptToolError
@@ -24,24 +34,65 @@ class GcResult:
     kept: list[int]
     incomplete_kept: list[int]
     dry_run: bool
+    unreadable: dict[int, str] = field(default_factory=dict)  # step -> why its manifest cannot be read
 
 
 def gc(url: str, keep_last: int, keep_every: int = 0, dry_run: bool = False) -> GcResult:
     if keep_last < 1:
         raise CkptToolError(f"--keep-last must be >= 1 (got {keep_last}); the newest complete version is always kept")
+    if keep_every < 0:
+        raise CkptToolError(f"--keep-every must be >= 0 (got {keep_every}); 0 keeps no extra versions")
     reader = open_reader(url)
     fs, root = reader.fs, reader.root
-    versions = list_versions(fs, root)
-    doomed = plan_retention({s: ok for s, (_, ok) in versions.items()}, keep_last, keep_every)
+    policy = RetryPolicy()
+    versions = with_retry(lambda: list_versions(fs, root), url, policy)
+    readable: dict[int, bool] = {}
+    unreadable: dict[int, str] = {}
+    for step, (_, has_manifest) in versions.items():
+        if not has_manifest:
+            readable[step] = False
+            continue
+        try:
+            reader.manifest(step)
+            readable[step] = True
+        except StorageError:
+            raise  # storage kept failing: judging versions on a partial view could delete the wrong ones
+        except SnapshotError as e:  # corrupt, or a newer format: not counted, not deleted
+            unreadable[step] = f"{type(e).__name__}: {e}"
+    doomed = plan_retention(readable, keep_last, keep_every)
+    survivors = [s for s, ok in readable.items() if ok and s not in doomed]
+    if any(readable.values()) and not survivors:  # plan_retention guarantees it; deleting data must not rely on that
+        raise AssertionError(f"retention plan would delete every readable version of {url}")
     if not dry_run:
-        doomed, _ = with_retry(lambda: collect_garbage(fs, root, keep_last, keep_every), url, RetryPolicy())
-    kept = sorted(s for s, (_, ok) in versions.items() if ok and s not in doomed)
-    pending = sorted(s for s, (_, ok) in versions.items() if not ok and s not in doomed)
-    return GcResult(doomed, kept, pending, dry_run)
+        for step in doomed:
+            path, _ = versions[step]
+            with_retry(lambda: _remove(fs, path, readable[step]), path, policy)
+        fs.invalidate_cache(root)
+    kept = sorted(s for s, ok in readable.items() if ok and s not in doomed)
+    pending = sorted(s for s, ok in readable.items() if not ok and s not in doomed)
+    return GcResult(doomed, kept, pending, dry_run, unreadable)
+
+
+def _remove(fs, path: str, complete: bool) -> None:
+    """Delete one version, its manifest first: a half-deleted version must never look complete."""
+    if complete:
+        try:
+            fs.rm_file(f"{path}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
 
 
 def format_gc(r: GcResult) -> str:
     verb = "would remove" if r.dry_run else "removed"
-    return (f"{verb}: {r.removed or 'nothing'}\nkept complete: {r.kept or 'none'}"
-            + (f"\nkept incomplete (newer than the newest complete; may still be uploading): {r.incomplete_kept}"
-               if r.incomplete_kept else ""))
+    lines = [f"{verb}: {r.removed or 'nothing'}", f"kept complete: {r.kept or 'none'}"]
+    if r.incomplete_kept:
+        lines.append(f"kept incomplete (newer than the newest complete; may still be uploading; if no writer is "
+                     f"running, delete them by hand): {r.incomplete_kept}")
+    for step, why in sorted(r.unreadable.items()):
+        lines.append(f"kept unreadable step {step} (its manifest does not parse, so it is neither counted nor "
+                     f"deleted; 'ckpt verify URL@{step}' says more, delete it by hand once judged): {why}")
+    return "\n".join(lines)

@@ -12,9 +12,13 @@ Nothing arbitrary is ever unpickled:
 - ``safetensors``: header parsed by the package; tensors read in row blocks.
 
 Names: ``model/``/``optim/`` prefixed names are kept; other names become
-``model/<name>``; DCP's ``model.X`` / ``optim.state.P.K`` become ``model/X`` /
-``optim/state/P/K``. Non-tensor entries become manifest ``values`` when
-they are JSON.
+``model/<name>``; DCP's ``model.X`` / ``optim.state.P.K`` / ``optim.P.K``
+become ``model/X`` / ``optim/state/P/K`` / ``optim/P/K`` (the last is the
+runtime's naming, so a runtime checkpoint survives a DCP round trip).
+Non-tensor entries become manifest ``values`` when they are JSON.
+
+Bad input (a garbled or empty file, the wrong ``--from``) is a
+:class:`ConvertError` naming the file, never a library's traceback.
 """
 
 from __future__ import annotations
@@ -52,6 +56,15 @@ def _write_tensor(w: VersionWriter, name: str, t: torch.Tensor, block_bytes: int
 
 
 def from_safetensors(path: str, w: VersionWriter, block_bytes: int, progress: bool) -> int:
+    from safetensors import SafetensorError
+    try:
+        return _from_safetensors(path, w, block_bytes, progress)
+    except SafetensorError as e:  # a garbled, empty or truncated file: the package's own error type
+        raise ConvertError(f"{path}: not a readable safetensors file ({e}); check the file, or the --from "
+                           "format (torch, torch-dcp)") from None
+
+
+def _from_safetensors(path: str, w: VersionWriter, block_bytes: int, progress: bool) -> int:
     from safetensors import safe_open
     local = path.removeprefix("file://")
     with safe_open(local, framework="pt") as f:
@@ -88,17 +101,42 @@ def _nbytes(shape, dtype) -> int:
     return n
 
 
+def _load_torch(path: str, local: str) -> Any:
+    """``torch.load(weights_only=True)``, memory-mapped when the file allows; any failure is a ConvertError.
+
+    A garbled file fails in many ways (UnpicklingError, KeyError, EOFError,
+    RuntimeError, ... depending on its first bytes), so every ``Exception`` of
+    the load is bad input here; only a refused global means "real objects"."""
+    try:
+        try:
+            return torch.load(local, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+        return torch.load(local, map_location="cpu", weights_only=True)  # legacy format: cannot be mapped
+    except pickle.UnpicklingError as e:
+        if "Unsupported global" in str(e) or "GLOBAL" in str(e):
+            raise ConvertError(f"{path}: holds objects beyond tensors and plain containers, which are never "
+                               f"unpickled here ({_first_line(e)}); re-save it as a dict of tensors") from None
+        raise ConvertError(f"{path}: not a torch checkpoint (the pickle does not decode: {_first_line(e)}); check "
+                           "the file, or the --from format (safetensors, torch-dcp)") from None
+    except Exception as e:  # noqa: BLE001 -- see the docstring
+        raise ConvertError(f"{path}: not a loadable torch checkpoint ({type(e).__name__}: {_first_line(e)}); check "
+                           "the file, or the --from format (safetensors, torch-dcp)") from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    # torch's weights_only message buries the reason ("Unsupported operand 103") in paragraphs of advice
+    advice = ("Weights only load failed", "Please file an issue", "Check the documentation", "In PyTorch 2.6")
+    why = next((ln for ln in lines if "Unsupported" in ln), None) or next(
+        (ln for ln in lines if not ln.startswith(advice)), lines[0] if lines else "")
+    return why[:200]
+
+
 def from_torch(path: str, w: VersionWriter, block_bytes: int, progress: bool) -> int:
     local = path.removeprefix("file://")
-    try:
-        obj = torch.load(local, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise ConvertError(f"{path}: not a loadable torch checkpoint ({e})") from None
-        obj = torch.load(local, map_location="cpu", weights_only=True)  # legacy format: cannot be mapped
-    except pickle.UnpicklingError as e:
-        raise ConvertError(f"{path}: holds objects beyond tensors and plain containers, which are never "
-                           f"unpickled here ({str(e).splitlines()[0]}); re-save it as a dict of tensors") from None
+    obj = _load_torch(path, local)
     if isinstance(obj, torch.Tensor) or not isinstance(obj, dict):
         raise ConvertError(f"{path}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
     if all(isinstance(v, torch.Tensor) for v in obj.values()):  # a flat state dict (what convert writes)
@@ -138,20 +176,40 @@ def read_dcp_metadata(folder: str):
     path = os.path.join(folder, ".metadata")
     if not os.path.exists(path):
         raise ConvertError(f"{folder}: no .metadata; not a torch.distributed.checkpoint folder")
+    from torch.distributed.checkpoint.metadata import Metadata
     with open(path, "rb") as f:
         try:
-            return _MetadataUnpickler(io.BytesIO(f.read())).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError) as e:
-            raise ConvertError(f"{path}: unreadable DCP metadata ({e})") from None
+            meta = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        except Exception as e:  # noqa: BLE001 -- a garbled pickle fails in many ways; all are bad input
+            raise ConvertError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, Metadata):
+        raise ConvertError(f"{path}: holds a {type(meta).__name__}, not DCP metadata; not a DCP folder")
+    return meta
+
+
+def _esc(part: str) -> str:
+    return part.replace("~", "~0").replace("/", "~1")
 
 
 def _from_dcp_name(key: str) -> str:
-    if key.startswith("optim.state."):
-        rest = key[len("optim.state."):]
+    """DCP's dotted key back to our name (the inverse of ``convert._dcp_name``).
+
+    Parameter names keep their dots, so the optimizer key is the last dotted
+    part (``exp_avg``, ``step``, ``momentum_buffer``: none holds a dot).
+    ``optim.state.P.K`` is a saved ``get_state_dict`` dict, ``optim.P.K`` the
+    runtime's naming; both are kept as they were."""
+    if key.startswith("optim."):
+        rest = key[len("optim."):]
+        if rest.startswith("param_groups."):
+            index, _, k = rest[len("param_groups."):].partition(".")
+            return "/".join(["optim", "param_groups", _esc(index)] + ([_esc(k)] if k else []))
+        head = ["optim"]
+        if rest.startswith("state."):
+            head, rest = ["optim", "state"], rest[len("state."):]
         param, _, k = rest.rpartition(".")
-        return f"optim/state/{param}/{k}"
+        return "/".join(head + ([_esc(param)] if param else []) + [_esc(k)])
     if key.startswith("model."):
-        return f"model/{key[len('model.'):]}"
+        return f"model/{_esc(key[len('model.'):])}"
     return our_name(key)
 
 
@@ -185,16 +243,27 @@ def from_dcp(path: str, w: VersionWriter, block_bytes: int, progress: bool) -> i
 
 
 def import_checkpoint(src: str, out: str, fmt: str, *, step: int = 0, block_bytes: int = 32 << 20,
-                      compress: str = "auto", progress: bool = True) -> tuple[str, int]:
-    """Import ``src`` (format ``fmt``) as version ``step`` under ``out``; returns (version URL, tensors)."""
+                      compress: str = "auto", progress: bool = True, force: bool = False) -> tuple[str, int]:
+    """Import ``src`` (format ``fmt``) as version ``step`` under ``out``; returns (version URL, tensors).
+
+    ``force``: replace a version ``step`` already under ``out`` (it stays until the new one commits)."""
     fn = {"safetensors": from_safetensors, "torch": from_torch, "torch-dcp": from_dcp}.get(fmt)
     if fn is None:
         raise ConvertError(f"unknown import format {fmt!r}; use safetensors, torch or torch-dcp")
-    if not os.path.exists(src.removeprefix("file://")):
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        # version_dir(-1) is "step--00000000001", which no reader lists: the import would vanish
+        raise ConvertError(f"--step must be a non-negative integer (got {step!r})")
+    local = src.removeprefix("file://")
+    if not os.path.exists(local):
         from resilient_tools.errors import BadUrl
         raise BadUrl(f"{src}: no such file or folder to import (import reads local files)")
-    w = VersionWriter(out, step, layout={"world": 1, "imported_from": fmt}, compress=compress,
-                      extra={"imported_from": os.path.abspath(src.removeprefix("file://")), "format": fmt})
+    if fmt == "torch-dcp" and not os.path.isdir(local):
+        raise ConvertError(f"{src}: is a file; --from torch-dcp reads a DCP folder (use --from torch or safetensors "
+                           "for a file)")
+    if fmt != "torch-dcp" and os.path.isdir(local):
+        raise ConvertError(f"{src}: is a folder; --from {fmt} reads one file (use --from torch-dcp for a DCP folder)")
+    w = VersionWriter(out, step, layout={"world": 1, "imported_from": fmt}, compress=compress, force=force,
+                      extra={"imported_from": os.path.abspath(local), "format": fmt})
     try:
         n = fn(src, w, block_bytes, progress)
         url = w.commit()

@@ -13,9 +13,12 @@ Mirrors resilient/parallel.py (keep the two in step):
   ``_StridedShard(0, split_factor=tp)`` (FSDP2's own rule), whose rows are not
   contiguous: a rank can hold several boxes.
 - mesh rank order: tp fastest, then dp, then pp.
-- optimizer state ``optim/state/<param>/<key>`` follows its parameter when it
-  has the parameter's shape (``exp_avg``, ``exp_avg_sq``); scalars (``step``)
-  are plain tensors on every rank of the stage.
+- optimizer state follows its parameter when it has the parameter's shape
+  (``exp_avg``, ``exp_avg_sq``); scalars (``step``) are plain tensors on every
+  rank of the stage. It is named ``optim/<param>/<key>`` by the runtime
+  (train_state keeps only the per-parameter state) and
+  ``optim/state/<param>/<key>`` when a whole ``get_state_dict`` optimizer dict
+  was saved; both are recognised (:func:`param_name`).
 
 Boxes come from :func:`resilient.snapshot.boxes.shard_pieces` (torch's own
 placement arithmetic), the same function restore uses on live DTensors.
@@ -68,6 +71,8 @@ def parse_target(text: str) -> Target:
     """``"pp=2,dp=3,tp=2"`` (any subset; missing = 1; ``spr``/``stages_per_rank`` too)."""
     keys = {"pp": "pp", "dp": "dp", "tp": "tp", "spr": "stages_per_rank", "stages_per_rank": "stages_per_rank"}
     out: dict[str, int] = {}
+    if not text.strip(" ,"):
+        raise LayoutError("empty target layout; write e.g. 'pp=2,dp=4,tp=2' (missing = 1; 'dp=1' for one rank)")
     for item in filter(None, (s.strip() for s in text.split(","))):
         k, sep, v = item.partition("=")
         if not sep or k.strip() not in keys or not v.strip().isdigit() or int(v) < 1:
@@ -93,11 +98,23 @@ class ModelShape:
 
 
 def param_name(name: str) -> str | None:
-    """The model parameter a tensor belongs to: ``model/X`` -> X, ``optim/state/X/exp_avg`` -> X."""
+    """The model parameter a tensor belongs to, or None.
+
+    ``model/X`` -> X; optimizer state in either naming: ``optim/X/exp_avg``
+    (what the runtime writes) and ``optim/state/X/exp_avg`` (a saved
+    ``get_state_dict`` dict). The two are told apart by the number of
+    ``/``-separated parts: a key never holds a raw ``/`` (flattening escapes it
+    as ``~1``). Deeper or other ``optim/`` names (``param_groups``) are None:
+    such tensors are written whole, which is always correct."""
     if name.startswith("model/"):
         return name[len("model/"):]
-    if name.startswith("optim/state/"):
-        return name[len("optim/state/"):].rsplit("/", 1)[0]
+    parts = name.split("/")
+    if parts[0] != "optim":
+        return None
+    if len(parts) == 4 and parts[1] == "state":
+        return parts[2]
+    if len(parts) == 3 and parts[1] not in ("state", "param_groups"):
+        return parts[1]
     return None
 
 

@@ -38,16 +38,17 @@ class ReshardResult:
 
 def reshard(src: Source, target: Target, out: str, *, n_heads: int | None = None, block_bytes: int = 32 << 20,
             chunk_bytes: int = 16 << 20, part_bytes: int = 64 << 20, compress: str = "auto",
-            progress: bool = True) -> ReshardResult:
+            progress: bool = True, force: bool = False) -> ReshardResult:
     """Write version ``src.step`` under ``out`` laid out for ``target``; returns what was done.
 
-    Raises :class:`LayoutError` before writing anything when the target cannot hold the model."""
+    Raises :class:`LayoutError` before writing anything when the target cannot hold the model.
+    ``force``: replace a version of that step already under ``out`` (kept until the new one commits)."""
     m = src.manifest
     shape = model_shape(m, n_heads)
     check_target(target, shape)
     w = VersionWriter(out, m.step, world=target.world, layout=target.as_dict(), config_digest=m.config_digest,
                       values=m.values, rank_extras=m.rank_extras, extra=m.extra, compress=compress,
-                      chunk_bytes=chunk_bytes, part_bytes=part_bytes)
+                      chunk_bytes=chunk_bytes, part_bytes=part_bytes, force=force)
     total = sum(t.numel * itemsize(dtype_from_name(t.dtype, n)) for n, t in m.tensors.items())
     bar = Progress(f"reshard step {m.step} -> {target.as_dict()}", total, progress)
     buf = BlockBuffer(block_bytes)

@@ -13,7 +13,7 @@ from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from resilient.snapshot.api import FormatVersionError, Manifest, SnapshotError
+from resilient.snapshot.api import FormatVersionError, Manifest, NoSnapshotFound, SnapshotError
 from resilient.snapshot.boxes import Box
 from resilient.snapshot.format import dtype_from_name
 from resilient.snapshot.reader import SnapshotReader
@@ -143,8 +143,10 @@ def verify(spec: str, fast: bool = False, threads: int = 4, progress: bool = Tru
     url, step = split_version(spec)
     try:
         src = open_source(spec, threads)
-    except FormatVersionError:
-        raise  # not damage: this resilient is too old to judge it (exit 2, "upgrade")
+    except (FormatVersionError, NoSnapshotFound):
+        # not damage: this resilient is too old to judge it (exit 2, "upgrade"), or there is nothing
+        # to judge (an empty folder, a step that is not there): a usage error, not a verdict
+        raise
     except SnapshotError as e:
         report = VerifyReport(url, step, fast)
         report.problems.append(Problem(e.obj or url, None, str(e)))
@@ -155,8 +157,10 @@ def verify(spec: str, fast: bool = False, threads: int = 4, progress: bool = Tru
     report.chunks = sum(len(t.chunks) for t in m.tensors.values())
     if not fast:
         missing = {p.object for p in report.problems if p.problem == "object is missing"}
+        short = {p.object for p in report.problems if p.problem.startswith("object is truncated")}
         more, report.chunks, report.bytes_checked = check_payloads(src.reader, m, missing, progress)
-        report.problems += more
+        # a chunk past the end of an object already reported truncated says nothing new
+        report.problems += [p for p in more if not (p.object in short and "object is truncated" in p.problem)]
     return report
 
 

@@ -3,7 +3,13 @@
 Reshard and import produce versions that the normal restore path reads: the
 same manifest (``resilient.snapshot.format``), objects under a fresh ATTEMPT
 directory, CRC-32 per chunk, and ``manifest.json`` written last, so a run cut
-short leaves an incomplete version (debris for ``gc``), never a wrong one.
+short never leaves a wrong version. :meth:`VersionWriter.abort` deletes what
+the attempt wrote: ``gc`` keeps incomplete versions newer than the newest
+complete one (they may still be uploading), so in a fresh OUT debris would
+stay forever and block a rerun. A version already at the step is refused
+(complete or not) unless ``force``: then the new attempt is written beside
+it and the old one is removed only after the new manifest is in place, so an
+interrupted forced run loses nothing.
 
 Chunks are appended to one part object at a time (rolled over at
 ``part_bytes``), so memory holds one chunk, whatever the version's size.
@@ -11,6 +17,7 @@ Chunks are appended to one part object at a time (rolled over at
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -27,7 +34,7 @@ from resilient.snapshot.format import (
 from resilient.snapshot.storage import RetryPolicy, is_remote, open_url, with_retry, write_object
 
 from resilient_tools.blocks import itemsize, tensor_bytes
-from resilient_tools.errors import OutputExists
+from resilient_tools.errors import CkptToolError, OutputExists
 
 
 class _Part:
@@ -82,14 +89,26 @@ class VersionWriter:
                  config_digest: str = "", values: dict | None = None, rank_extras: dict | None = None,
                  extra: Any = None, compress: str = "auto", chunk_bytes: int = 16 << 20,
                  part_bytes: int = 64 << 20, storage_options: dict | None = None,
-                 retry: RetryPolicy = RetryPolicy()):
+                 retry: RetryPolicy = RetryPolicy(), force: bool = False):
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CkptToolError(f"step must be a non-negative integer (got {step!r}); a negative step makes a "
+                                "version folder no reader lists")
         self.url, self.step = url, step
         from resilient_tools.source import STORAGE_OPTIONS
         self.fs, self.root = open_url(url, storage_options if storage_options is not None else STORAGE_OPTIONS or None)
         self.vdir = f"{self.root}/{version_dir(step)}"
-        if self.fs.exists(self.vdir):
-            raise OutputExists(f"{url}: version step {step} already exists there ({self.vdir}); write to another "
-                               "OUT, or delete that version first")
+        if self.fs.isfile(self.root):
+            raise OutputExists(f"{url}: is a file; the output of reshard/import is a checkpoint folder (it will "
+                               "hold step-* folders); choose another OUT")
+        self.root_existed = self.fs.exists(self.root)
+        self.existed = self.root_existed and self.fs.exists(self.vdir)
+        if self.existed and not force:
+            if self.fs.exists(f"{self.vdir}/{MANIFEST_NAME}"):
+                raise OutputExists(f"{url}: already holds a complete version at step {step} ({self.vdir}); write "
+                                   "to another OUT, or pass --force to replace it")
+            raise OutputExists(f"{url}: step {step} is there but incomplete ({self.vdir} has no {MANIFEST_NAME}: "
+                               "debris of an interrupted write, or a write still running); pass --force to replace "
+                               "it, or delete that folder")
         self.attempt = uuid.uuid4().hex[:12]
         self.compress_policy, self.remote = compress, is_remote(self.fs)
         self.chunk_bytes, self.part_bytes, self.retry = chunk_bytes, part_bytes, retry
@@ -98,6 +117,7 @@ class VersionWriter:
                                  values=dict(values or {}), rank_extras=dict(rank_extras or {}), extra=extra)
         self._part: _Part | None = None
         self._parts = 0
+        self._committing = False
         self.bytes_written = 0
 
     def add_tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -136,6 +156,7 @@ class VersionWriter:
 
     def commit(self) -> str:
         """Close the last part and write ``manifest.json`` (read back and compared). Returns the version's URL."""
+        self._committing = True
         if self._part is not None:
             self._part.close()
             self._part = None
@@ -149,10 +170,56 @@ class VersionWriter:
                 raise OSError(f"{path}: manifest read back differs from what was written")
 
         with_retry(put_and_check, path, self.retry)
+        if self.existed:
+            self._drop_others()
         return f"{self.url.rstrip('/')}/{version_dir(self.step)}"
 
+    def _drop_others(self) -> None:
+        """After a forced commit: remove what the replaced version left in the folder (its attempt,
+        temp files), now that our manifest names only our attempt."""
+        keep = {MANIFEST_NAME, self.attempt}
+        self.fs.invalidate_cache(self.vdir)
+        for entry in self.fs.ls(self.vdir, detail=False):
+            if entry.rstrip("/").rsplit("/", 1)[-1] not in keep:
+                try:
+                    with_retry(lambda: self.fs.rm(entry, recursive=True), entry, self.retry)
+                except FileNotFoundError:
+                    pass
+
+    def _maybe_committed(self) -> bool:
+        """Whether the version's manifest may be ours (a commit cut short after writing it)."""
+        try:
+            doc = self.fs.cat_file(f"{self.vdir}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        try:
+            return json.loads(doc).get("attempt") == self.attempt
+        except (ValueError, AttributeError):
+            return True
+
     def abort(self) -> None:
-        """Leave an incomplete version behind (no manifest): ``gc`` removes it."""
+        """Delete what this attempt wrote (and the version folder, if this writer created it and it
+        is empty), so a rerun is not blocked and ``gc`` has nothing to keep forever. Best effort:
+        a storage error here must not hide the error that caused the abort."""
         if self._part is not None:
             self._part.abort()
             self._part = None
+        if self._committing and self._maybe_committed():
+            return  # the manifest naming our objects may be in place: deleting them would break it
+        if self._parts:
+            try:
+                self.fs.rm(f"{self.vdir}/{self.attempt}", recursive=True)
+            except OSError:  # FileNotFoundError included: nothing of ours reached storage
+                pass
+        try:
+            self.fs.invalidate_cache(self.vdir)
+            # object stores have no folders: only local ones this writer made are left, empty
+            for folder, made in ((self.vdir, not self.existed), (self.root, not self.root_existed)):
+                self.fs.invalidate_cache(folder)
+                if made and self.fs.isdir(folder) and not self.fs.ls(folder, detail=False):
+                    self.fs.rmdir(folder)
+        except (OSError, NotImplementedError):
+            pass
+        self.fs.invalidate_cache(self.root)
