@@ -124,6 +124,7 @@ class Trainer:
                                       node=node or "", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
                       for d in cfg.sdc.inject]
         for flip in self.flips:   # activation flips fire from a forward hook on the module they name
+            flip.validate(self.model.parts, self.layout.world)
             if flip.spec.target == "activation" and flip.here():
                 part = next((m for m in self.model.parts if flip.spec.tensor in dict(m.named_modules())), None)
                 if part is None:
@@ -281,7 +282,7 @@ class Trainer:
             self.optimizer.reset()
         self.events.emit("rollback", to_step=self.step, reason=decision.action.value,
                          suspects=sorted({s.rank for s in decision.suspicions}))
-        self.sdc.note_restored(self.step)
+        self.sdc.note_restored(self.step, self.model.parts)
 
     def restore(self) -> None:
         """Restore the newest version, or initialize the parameters from the seed on a fresh
@@ -293,6 +294,8 @@ class Trainer:
                 init_parameters(part, self.cfg.train.seed)
         self.startup["restore" if restored is not None else "init"] = round(time.perf_counter() - t0, 4)
         self.startup.update({f"restore.{k}": v for k, v in self.state.timings.items()})
+        if self.sdc is not None:   # the at-rest hashes start here (restored or initialized)
+            self.sdc.note_restored(restored.step if restored is not None else self.step, self.model.parts)
         if restored is not None:
             self.step = restored.step
             if self.progress:

@@ -15,7 +15,9 @@ from resilient.sdc.harness import GlooPool
 pytestmark = pytest.mark.slow
 
 
-def tp_run(rank, world, seed, steps, flip):
+def tp_run(rank, world, seed, steps, flip, nan_at=None):
+    """``nan_at``: (rank, step) whose ``up`` gradient gets one NaN, once (a transient fault
+    in a layout with no reduction check: dp = 1)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -32,7 +34,7 @@ def tp_run(rank, world, seed, steps, flip):
     mon.watch_replicas("norm.grad", lambda: [("norm.weight", net["norm"].weight.grad)], tp_group, what="grad")
     inj = BitFlipInjector(FlipSpec.from_dict(flip), rank) if flip else None
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    log = []
+    log, poisoned = [], []
 
     def fwd_bwd(step):
         g = torch.Generator().manual_seed(seed * 100 + step)      # tp ranks see the same batch
@@ -42,6 +44,9 @@ def tp_run(rank, world, seed, steps, flip):
         loss.backward()
         if inj:
             inj.maybe_inject(step, net)
+        if nan_at == (rank, step) and not poisoned:
+            poisoned.append(step)
+            net["up"].weight.grad.to_local()[0, 0] = float("nan")
         return loss.detach()
 
     for step in range(steps):
@@ -77,6 +82,14 @@ def test_tp_replicated_norm_grad_flip_is_caught_and_attributed(pool, bit):
     for log in pool.run(tp_run, 0, 4, flip):
         assert log[0][:3] == (2, "after_backward", [(0, "replica_mismatch", False), (1, "replica_mismatch", False)])
         assert log[1][3] == {0: "false_alarm", 1: "transient"}, log
+
+
+def test_tp_nan_gradient_is_caught_without_a_reduction_check(pool):
+    """dp = 1: no linear check sees the gradients. One NaN on rank 1 must still be
+    caught before the optimizer spreads it to every parameter (and the snapshot)."""
+    for log in pool.run(tp_run, 0, 4, None, (1, 2)):
+        assert log[0][:3] == (2, "after_backward", [(1, "nonfinite", False)])
+        assert log[1][3] == {1: "transient"}, log
 
 
 def tp_adam_run(rank, world, steps, flip, watch_state):

@@ -60,6 +60,17 @@ def test_parameter_flip_rolls_back(corpus, tmp_path, reference):
     assert digests(run) == digests(reference)
 
 
+def test_a_flip_before_the_first_step_is_caught(corpus, tmp_path, reference):
+    """Between start-up (initialized or restored) and the first optimizer step there
+    was no at-rest record: a flip there went unseen and changed the run."""
+    run = tmp_path / "first"
+    over = tiny_overrides(corpus, 6, **{"snapshot.durable_every": 1})
+    spec = 'sdc.inject=[{target="param", tensor="layers.0.attention.wq.weight", bit=31, rank=0, step=0, element=3}]'
+    run_launch(DEMO, run, over + [spec], nproc=2)
+    assert [(e["step"], e["kind"]) for e in events(run, "sdc_suspect") if e["rank"] == 0] == [(1, "param_at_rest")]
+    assert digests(run) == digests(reference)
+
+
 def test_sparse_checks_roll_back_to_the_verified_version_and_abandon_the_rest(corpus, tmp_path, reference):
     """Parameters verified every 2 steps, durable retention of 1 version: a flip after
     step 4 is seen at step 5, when only step 2's state is verified. Retention kept

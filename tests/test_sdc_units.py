@@ -374,3 +374,74 @@ def test_resting_state_walk_is_kept_but_follows_a_loaded_state_dict():
     assert [n for n, _ in again] == [n for n, _ in first]
     assert all(v is opt.state[p][n.split(".")[1]] for (n, v), p in zip(again, [a, a, a, b, b, b]))
     assert not any(v is w for (_, v), (_, w) in zip(again, first))
+
+
+def test_a_reproducible_nan_is_the_same_answer_not_a_difference():
+    """Training instability (a NaN the replay reproduces bit for bit) must not read
+    as a bad device: NaN != NaN made every such replay DIFFERENT → persistent."""
+    g = torch.tensor([1.0, float("nan"), 3.0])
+    match, _ = compare(fingerprint([("g", g)]), fingerprint([("g", g.clone())]))
+    assert match is Match.SAME
+    other = g.clone()
+    other[0] = 2.0
+    assert compare(fingerprint([("g", g)]), fingerprint([("g", other)]))[0] is Match.DIFFERENT
+
+
+def test_state_checks_alone_still_give_a_verified_step():
+    """With parameter checks off, a verified optimizer state is what a rollback
+    can go back to (was: nothing, so every rollback restarted from scratch)."""
+    from resilient.sdc.atrest import Resting
+
+    a = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.AdamW([a])
+    a.grad = torch.ones(4)
+    opt.step()
+    rest = Resting()
+    rest.optimizers = [opt]
+    rest.record(7, [("a", a)], params=False, state=True)
+    sus, verified = rest.verify(8, [("a", a)], rank=0, device="cpu")
+    assert sus == [] and verified == 7
+
+
+def test_local_gradient_check_sees_nan_and_spikes_without_a_reduction():
+    from resilient.sdc.checksums import LocalGradCheck
+
+    chk = LocalGradCheck(k=50.0, window=50, warmup=5)
+    rng = torch.Generator().manual_seed(0)
+    for step in range(1, 8):
+        g = torch.randn(64, generator=rng)
+        assert chk.check([g, None], step=step, rank=3, judge=True) == []
+    bad = torch.randn(64, generator=rng)
+    bad[5] = float("nan")
+    (s,) = chk.check([bad], step=8, rank=3, judge=True)
+    assert (s.kind, s.rank, s.step) == ("nonfinite", 3, 8)
+    huge = torch.randn(64, generator=rng)
+    huge[5] = 3.6e33   # bit 30 flipped: finite, far off the band
+    (s,) = chk.check([huge], step=9, rank=3, judge=True)
+    assert s.kind == "grad_spike"
+
+
+@pytest.mark.parametrize("spec,words", [
+    ({"target": "grad", "bit": 30, "step": 2}, "lacks \\['tensor'\\]"),
+    ({"target": "grad", "tensor": "w", "bit": "30"}, "FlipSpec.bit='30': expected int"),
+    ({"target": "grad", "tensor": "w", "bit": 30, "rank": -1}, "FlipSpec.rank=-1: must be ≥ 0"),
+    ({"target": "grad", "tensor": "w", "bit": 30, "persistent": "yes"}, "expected bool"),
+])
+def test_a_malformed_inject_spec_is_an_sdc_error(spec, words):
+    with pytest.raises(SdcError, match=words):
+        FlipSpec.from_dict(spec)
+
+
+@pytest.mark.parametrize("spec,words", [
+    ({"target": "grad", "tensor": "w", "bit": 30, "rank": 7}, "outside the job's 2 ranks"),
+    ({"target": "grad", "tensor": "nope", "bit": 30}, "holds no parameter 'nope'"),
+    ({"target": "param", "tensor": "w", "bit": 32}, "bit 32 / element 0 outside"),
+    ({"target": "param", "tensor": "w", "bit": 3, "element": 12}, "element 12 outside"),
+])
+def test_an_inject_spec_the_model_cannot_take_is_refused_at_start(spec, words):
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(SdcError, match=words):
+        BitFlipInjector(FlipSpec.from_dict(spec), rank=0).validate([m], world=2)
+    BitFlipInjector(FlipSpec.from_dict({"target": "param", "tensor": "w", "bit": 31, "element": -1}),
+                    rank=0).validate([m], world=2)

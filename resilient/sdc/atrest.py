@@ -250,8 +250,10 @@ class Resting:
 
     def verify(self, step: int, named_params: Sequence[tuple[str, torch.Tensor]], rank: int,
                device: str) -> tuple[list[Suspicion], int | None]:
-        """Check (and forget) the records: (suspicions, the step the parameters were hashed after, or None)."""
-        rec = self.params.step
+        """Check (and forget) the records: (suspicions, the step they were hashed after, or None).
+        With parameter checks off that is the optimizer state's record: a rollback can then
+        still go back to the last step whose state held, not to the initial state."""
+        rec = self.params.step if self.params.step is not None else self.state.step
         out = self.params.verify(step, [p for _, p in named_params], rank, device)
         if self.state.step is not None:
             out += self.state.verify(step, [t for _, t in self.state_tensors(named_params)], rank, device)

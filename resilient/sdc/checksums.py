@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from resilient.sdc.api import KIND_NONFINITE, KIND_REPLICA, Suspicion
+from resilient.sdc.api import KIND_GRAD_SPIKE, KIND_NONFINITE, KIND_REPLICA, Suspicion
 
 SUM, L1, AMAX, BITS = range(4)
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16,
@@ -225,6 +225,29 @@ def nonfinite(named: Iterable[tuple[str, torch.Tensor | None]], *, step: int, ra
     flags = torch.stack([torch.isfinite(local(t)).all() for _, t in named]).cpu()
     return [Suspicion(step=step, rank=rank, kind=KIND_NONFINITE, tensor=n, evidence={"where": "local"})
             for (n, _), ok in zip(named, flags.tolist()) if not ok]
+
+
+class LocalGradCheck:
+    """Non-finite and spiking gradients of one rank, for layouts with no reduction check
+    to see them (dp = 1: tensor or pipeline parallel only). A NaN there would otherwise
+    go straight into the optimizer step and every parameter, and into the next snapshot.
+    One L1 per gradient, summed in float64 (a NaN or inf anywhere makes it non-finite);
+    its log is judged by :class:`RobustSpike`, as the reduction check does."""
+
+    def __init__(self, k: float, window: int = 50, warmup: int = 10):
+        self.spike = RobustSpike(k, window, warmup, min_sigma=0.1)
+
+    def check(self, grads: Iterable[torch.Tensor | None], *, step: int, rank: int, judge: bool) -> list[Suspicion]:
+        ts = [local(g) for g in grads if g is not None and local(g).numel()]
+        if not ts:
+            return []
+        l1 = float(torch.stack([t.abs().sum(dtype=torch.float64) for t in ts]).sum())
+        if not math.isfinite(l1):
+            return [Suspicion(step=step, rank=rank, kind=KIND_NONFINITE, tensor="*",
+                              evidence={"where": "local gradient", "l1": l1})]
+        spike, z = self.spike.check(math.log(l1)) if judge and l1 > 0 else (False, 0.0)
+        return [Suspicion(step=step, rank=rank, kind=KIND_GRAD_SPIKE, tensor="*",
+                          evidence={"log_l1": math.log(l1), "robust_z": z})] if spike else []
 
 
 class RobustSpike:

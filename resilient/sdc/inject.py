@@ -12,7 +12,7 @@ exponent, the rest the mantissa (bit 0 the lowest).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -56,8 +56,14 @@ class FlipSpec:
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise SdcError(f"FlipSpec.target={self.target!r}; use one of {TARGETS}")
-        if not isinstance(self.node, str):
-            raise SdcError(f"FlipSpec.node={self.node!r}; expected a node id (a string)")
+        for key, kind, least in (("tensor", str, None), ("bit", int, 0), ("rank", int, 0), ("step", int, 0),
+                                 ("element", int, None), ("persistent", bool, None), ("state_key", str, None),
+                                 ("node", str, None), ("local_rank", int, 0)):
+            value = getattr(self, key)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise SdcError(f"FlipSpec.{key}={value!r}: expected {kind.__name__}")
+            if least is not None and value < least:
+                raise SdcError(f"FlipSpec.{key}={value!r}: must be ≥ {least}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FlipSpec":
@@ -65,6 +71,9 @@ class FlipSpec:
         bad = set(d) - known
         if bad:
             raise SdcError(f"unknown FlipSpec keys {sorted(bad)}; known: {sorted(known)}")
+        missing = [k for k in ("target", "tensor", "bit") if k not in d]
+        if missing:
+            raise SdcError(f"sdc.inject entry {d} lacks {missing}: give at least target, tensor and bit")
         return cls(**d)
 
 
@@ -152,6 +161,22 @@ class BitFlipInjector:
         if optimizer is None or p not in optimizer.state or self.spec.state_key not in optimizer.state[p]:
             raise SdcError(f"no optimizer state {self.spec.state_key!r} for {self.spec.tensor!r} (after the first step?)")
         return self._flip(optimizer.state[p][self.spec.state_key], step, f"{self.spec.tensor}.{self.spec.state_key}")
+
+    def validate(self, parts: Sequence[nn.Module], world: int) -> None:
+        """Refuse at start-up what would fail (or do nothing) at the injection step: a
+        rank outside the job, a tensor this rank does not hold, a bit or element outside it."""
+        if not self.spec.node and self.spec.rank >= world:
+            raise SdcError(f"sdc.inject: rank {self.spec.rank} is outside the job's {world} ranks")
+        if not self.here() or self.spec.target == "activation":
+            return  # activation: checked when the hook is attached
+        params = {n: p for m in parts for n, p in m.named_parameters()}
+        if self.spec.tensor not in params:
+            raise SdcError(f"sdc.inject: rank {self.rank} holds no parameter {self.spec.tensor!r}; "
+                           f"names: {sorted(params)[:6]}...")
+        x = local(params[self.spec.tensor])
+        if self.spec.bit >= x.element_size() * 8 or not -x.numel() <= self.spec.element < x.numel():
+            raise SdcError(f"sdc.inject: bit {self.spec.bit} / element {self.spec.element} outside "
+                           f"{self.spec.tensor!r} on rank {self.rank} ({x.dtype}, {x.numel()} local elements)")
 
     def attach(self, model: nn.Module) -> None:
         """Install the forward hook for ``activation`` specs (idempotent)."""

@@ -60,7 +60,7 @@ from resilient.sdc.api import (KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KI
                                KIND_STATE_AT_REST, Action, Decision, SdcConfig, SdcDetected, SdcError, Spent, Suspicion,
                                Verdict)
 from resilient.sdc.atrest import Resting, at_rest_delta  # noqa: F401 - at_rest_delta: its public home was here
-from resilient.sdc.checksums import RobustSpike, compare_replicas
+from resilient.sdc.checksums import LocalGradCheck, RobustSpike, compare_replicas
 from resilient.sdc.probes import Prober
 from resilient.sdc.reduction import ReductionCheck, attach_fsdp
 from resilient.sdc.replay import EXACT_KINDS, Match, ReplayStateMachine, compare, fingerprint
@@ -136,6 +136,7 @@ class SdcMonitor:
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.prober = prober or Prober.from_config(self.cfg, self.device, events=events)
         self.reductions: list[ReductionCheck] = []
+        self.local_grads = LocalGradCheck(self.cfg.grad_spike_k, self.cfg.spike_window, self.cfg.spike_warmup)
         self.replicas: list[_ReplicaSet] = []
         self.sm = ReplayStateMachine(max_transients=self.cfg.max_transients)
         self.loss_spikes: dict[int, RobustSpike] = {}
@@ -357,6 +358,9 @@ class SdcMonitor:
             mine = self._grad_checks(step, judge=True)
         else:
             mine, self._external = self._external, []
+        if grads_due and not self.reductions:   # dp = 1: no reduction check sees the gradients
+            mine += self.local_grads.check((p.grad for _, p in self._params(model_parts)), step=step,
+                                           rank=self.rank, judge=True)
         at_rest, at_rest_step = self._at_rest_check(step, model_parts)   # the hashes of the last due step, if any
         mine += at_rest
         mine += self._probe_suspicions(step)
@@ -562,7 +566,14 @@ class SdcMonitor:
         state): where a rollback would go back to."""
         return self._last_verified
 
-    def note_restored(self, step: int) -> None:
-        """Tell the monitor the loop restored the version of ``step`` (resets at-rest hashes)."""
+    def note_restored(self, step: int, model_parts: Parts | None = None) -> None:
+        """Tell the monitor the loop restored (or initialized) the state of ``step``: the
+        at-rest hashes start from it, so a flip before the first step after a start or a
+        rollback is caught like any other, and the next step's checks are armed if due."""
         self.resting.clear()
         self._last_verified = step
+        if model_parts is not None and self.cfg.enable:
+            self.resting.record(step, self._params(model_parts), params=self.cfg.param_check_every > 0,
+                                state=self.cfg.state_check_every > 0)
+        for chk in self.reductions:
+            chk.arm(self._due(step + 1, self.cfg.check_every))
