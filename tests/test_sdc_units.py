@@ -445,3 +445,19 @@ def test_an_inject_spec_the_model_cannot_take_is_refused_at_start(spec, words):
         BitFlipInjector(FlipSpec.from_dict(spec), rank=0).validate([m], world=2)
     BitFlipInjector(FlipSpec.from_dict({"target": "param", "tensor": "w", "bit": 31, "element": -1}),
                     rank=0).validate([m], world=2)
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("check_every", -2, "'sdc.check_every' must be ≥ 0"), ("bound_safety", 0.5, "'sdc.bound_safety' must be ≥ 1"),
+    ("max_transients", 0, "'sdc.max_transients' must be ≥ 1"), ("spike_window", 0, "'sdc.spike_window' must be ≥ 1"),
+    ("spike_warmup", 80, "never be judged"), ("probe_dtypes", ("float99",), "not a floating-point torch dtype"),
+])
+def test_sdc_knobs_that_would_break_a_check_are_config_errors(key, value, words):
+    from resilient.config import load_config
+    from resilient.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        SdcConfig(**{key: value})
+    toml = f"sdc.{key}={list(value) if isinstance(value, tuple) else value}".replace("'", '"')
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, [toml])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.configbase import knob
-from resilient.errors import ResilientError
+from resilient.errors import ConfigError, ResilientError
 
 
 class SdcError(ResilientError):
@@ -166,6 +166,9 @@ class Decision:
         return self.action is Action.CONTINUE
 
 
+PROBE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
 @dataclass
 class SdcConfig:
     """The ``[sdc]`` section: silent-data-corruption checks, replay and probes."""
@@ -187,3 +190,21 @@ class SdcConfig:
     probe_dtypes: tuple[str, ...] = knob(("float32", "bfloat16"), "dtypes the probes test (the ones training uses)")
     probe_seed: int = knob(1234, "seed of the probe inputs (known answers are recomputed from it)")
     inject: tuple[dict, ...] = knob((), "bit flips to inject, for tests and drills: tables of resilient.sdc.inject.FlipSpec fields, e.g. {target = 'grad', tensor = 'layers.0.attention.wq.weight', bit = 30, rank = 1, step = 5}; node = 'b' (and local_rank) instead of rank pins a bad device, which keeps its fault whatever rank it gets")
+
+    def __post_init__(self) -> None:
+        """Refuse values that would silently disable a check or break one (a window of 0,
+        a safety factor that shrinks the bound below the rounding it must admit)."""
+        at_least = {"check_every": 0, "param_check_every": 0, "state_check_every": 0, "loss_spike_k": 0,
+                    "grad_spike_k": 0, "spike_window": 1, "spike_warmup": 0, "bound_safety": 1,
+                    "max_transients": 1, "probe_every": 0, "probe_matmul": 1, "probe_reduce": 1}
+        for key, least in at_least.items():
+            value = getattr(self, key)
+            if not value >= least:  # NaN-safe
+                raise ConfigError(f"'sdc.{key}' must be ≥ {least}, got {value}")
+        if self.spike_warmup > self.spike_window:
+            raise ConfigError(f"'sdc.spike_warmup' ({self.spike_warmup}) must not exceed 'sdc.spike_window' "
+                              f"({self.spike_window}): spikes would never be judged")
+        for name in self.probe_dtypes:
+            if name not in PROBE_DTYPES:
+                raise ConfigError(f"'sdc.probe_dtypes': {name!r} is not a floating-point torch dtype "
+                                  f"({', '.join(PROBE_DTYPES)})")
