@@ -348,20 +348,22 @@ class LocalJob:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE.total_seconds()
-        for p in alive:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            kill_tree(p)
-        # Orphans: workers of an agent that died before them (the agent's
-        # tree no longer reaches them).
-        left = [p for p in self.leftovers()]
-        for p in left:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(left, timeout=KILL_WAIT.total_seconds())
-        for log in self._logs:
-            log.close()
+        try:
+            for p in alive:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(max(0.0, deadline - time.monotonic()))
+        finally:  # a second Ctrl-C cuts the grace short, never the kill
+            for p in procs:
+                kill_tree(p)
+            # Orphans: workers of an agent that died before them (the agent's
+            # tree no longer reaches them).
+            left = [p for p in self.leftovers()]
+            for p in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(left, timeout=KILL_WAIT.total_seconds())
+            for log in self._logs:
+                log.close()
 
     def __enter__(self) -> "LocalJob":
         return self

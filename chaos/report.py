@@ -18,6 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterable
 
+from resilient.errors import ConfigError
+
 from .injectors import InjectionRecord
 from .properties import PropertyResult, check_timeline
 from .timeline import NOT_INJECTED, Episode, episodes, load_timeline, tier_of
@@ -208,16 +210,28 @@ def report(run_dir: str | os.PathLike, *, bound: timedelta = timedelta(seconds=6
     results.json is absent and the timeline properties are recomputed."""
     run_dir = Path(run_dir)
     timeline = load_timeline(run_dir)
+    if not timeline:
+        raise ConfigError(f"{run_dir}: no events found; not a chaos run directory, or its job never started")
     eps = episodes(timeline)
     res_path = run_dir / RESULTS
     if res_path.exists():
-        results = json.loads(res_path.read_text())
-        props = [PropertyResult.from_dict(p) for p in results.get("properties", [])]
+        try:
+            results = json.loads(res_path.read_text())
+            if not isinstance(results, dict):
+                raise ValueError("not a JSON object")
+            props = [PropertyResult.from_dict(p) for p in results.get("properties", [])]
+        except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
+            raise ConfigError(f"{res_path} is unreadable ({e}); it is truncated or not a campaign's results: "
+                              "run the campaign again") from None
         injections = list(results.get("injections", []))
         scen = results.get("scenario", run_dir.name)
         name = scen.get("name", run_dir.name) if isinstance(scen, dict) else str(scen)
     else:
-        props = check_timeline(timeline, eps, bound=bound, steps=steps)
+        # No results: the campaign did not finish (interrupted), so nothing judged the final
+        # state or the leaks. What the timeline shows is reported, but never as a pass.
+        props = [PropertyResult("campaign_finished", False, f"no {RESULTS}: the campaign was interrupted before "
+                                "it judged the run; the properties below are recomputed from the timeline only"),
+                 *check_timeline(timeline, eps, bound=bound, steps=steps)]
         injections = [{k: e.get(k) for k in ("fault_id", "fault", "target", "status", "detail")}
                       for e in timeline if e.get("event") == "fault_injected" and "request" not in e]
         name = run_dir.name

@@ -42,7 +42,7 @@ from .injectors import InjectionFailed
 from .jobs import END_GRACE, REPO, EtcdService, FinalState, LocalJob, final_state, loss_diff
 from .properties import PropertyResult, durable_versions_whole
 from .report import kind_summary, report
-from .scenario import PlannedFault, Scenario, load_scenario
+from .scenario import MAX_SECONDS, PlannedFault, Scenario, load_scenario
 from .timeline import episodes, load_timeline
 
 CONTROL_ENV = "RESILIENT_CHAOS_CONTROL"
@@ -227,16 +227,21 @@ def run_campaign(scenario: str | Path, out: str | Path | None = None, *, log=pri
     holds). ``budget`` replaces the scenario's (a scaled soak)."""
     sc = load_scenario(scenario)
     if budget is not None:
-        if budget.total_seconds() <= 0:
-            raise ConfigError(f"--budget must be > 0 seconds (got {budget.total_seconds()})")
+        if not 0 < budget.total_seconds() <= MAX_SECONDS:
+            raise ConfigError(f"--budget must be > 0 and ≤ {MAX_SECONDS:g} seconds (got {budget.total_seconds()})")
         sc.budget_seconds = budget.total_seconds()
+    plan = sc.plan()  # every check of the scenario before anything is created
     out = Path(out or Path("runs") / "chaos" / f"{sc.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     ref_dir, run_dir = out / "reference", out / "faulted"
     for d in (ref_dir, run_dir):
+        if d.exists() and not d.is_dir():
+            raise ConfigError(f"{d} is a file: give a fresh --out directory")
         if d.exists() and any(d.iterdir()):
             raise ConfigError(f"{d} is not empty: give a fresh --out (a campaign judges the logs it finds there)")
-    out.mkdir(parents=True, exist_ok=True)
-    plan = sc.plan()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot use --out {out}: {e.strerror or e}; give a directory that can be created") from None
     log(f"chaos: {sc.name}: {len(plan)} fault(s) planned; output in {out}")
     for f in plan[:20]:
         log(f"  {f.describe()}")
@@ -327,12 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     # context managers, which kill the agents and etcd and unmount what was
     # mounted; Python's default would end the process on the spot.
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
         if args.cmd == "run":
+            if args.budget is not None and not 0 < args.budget <= MAX_SECONDS:  # NaN-safe
+                raise ConfigError(f"--budget must be > 0 and ≤ {MAX_SECONDS:g} seconds (got {args.budget})")
             return run_campaign(args.scenario, args.out,
                                 budget=None if args.budget is None else timedelta(seconds=args.budget))
         d = Path(args.dir)
+        if (d / "reference").is_dir() and not (d / "faulted").is_dir():
+            raise ConfigError(f"{d} holds only the reference run: the campaign was interrupted before its faulted run")
         if (d / "faulted").is_dir():
             d = d / "faulted"
         if not d.is_dir():
@@ -347,11 +356,17 @@ def main(argv: list[str] | None = None) -> int:
         print("resilient chaos: interrupted; everything the campaign started was stopped", file=sys.stderr)
         return 130
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _raise_interrupt(signum, frame) -> None:
+    # The first signal unwinds; the teardown it starts (agents get STOP_GRACE to leave,
+    # then are killed; etcd stopped; mounts undone) must not be cut short by a second
+    # one, which left agents running against a stopped etcd.
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    print("resilient chaos: stopping the job (up to 30 s; further signals are ignored)...", file=sys.stderr)
     raise KeyboardInterrupt(f"signal {signum}")
 
 

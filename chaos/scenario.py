@@ -429,11 +429,18 @@ def scenario_from_dict(table: dict, source: str = "<dict>") -> Scenario:
     for kind, tiers in sc.properties.surviving_tiers.items():
         if kind not in FAULT_KINDS or not isinstance(tiers, list) or any(t not in TIERS for t in tiers):
             raise ConfigError(f"{source}: properties.surviving_tiers.{kind} must name a fault kind and a list of {TIERS}")
-    if sc.budget_seconds <= 0:
-        raise ConfigError(f"{source}: budget_seconds must be > 0")
+    if not 0 < sc.budget_seconds <= MAX_SECONDS:
+        raise ConfigError(f"{source}: budget_seconds must be > 0 and ≤ {MAX_SECONDS:g}")
+    for i, f in enumerate(sc.faults):
+        for key in ("at_seconds", "recovery_bound_seconds"):
+            if getattr(f, key) > MAX_SECONDS:
+                raise ConfigError(f"{source}: faults[{i}].{key} must be ≤ {MAX_SECONDS:g}")
     for i, f in enumerate(sc.faults):
         _validate_fault(f, i, sc)
     return sc
+
+
+MAX_SECONDS = 1e7  # ~4 months: past it a timedelta overflows, and no campaign runs that long
 
 
 def load_scenario(path: str | os.PathLike) -> Scenario:
@@ -449,6 +456,10 @@ def load_scenario(path: str | os.PathLike) -> Scenario:
         raise ConfigError(f"scenario {path} does not exist; shipped scenarios: {shipped}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start}); a scenario is a TOML file") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read scenario {p}: {e.strerror or e}; pass a TOML file") from None
     return scenario_from_dict(table, str(p))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from typing import Any, Mapping
 
@@ -92,6 +93,8 @@ def load_section(cls: type, table: Mapping[str, Any], where: str, source: str) -
             )
         if tp is float:
             value = float(value)
+            if not math.isfinite(value):  # TOML has inf and nan; no knob means either
+                raise ConfigError(f"{source}: '{name}' must be a finite number, got {value}")
         choices = fields[key].metadata.get("choices")
         if choices is not None and value not in choices:
             raise ConfigError(

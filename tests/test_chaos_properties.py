@@ -84,6 +84,11 @@ def test_good_run_passes_and_report_says_so(tmp_path):
     assert ep.detected_at == T0 + 13.0 and ep.recovery_seconds == pytest.approx(16.0 + 1 - 12.5)
     results = check_timeline(tl, eps, bound=timedelta(seconds=10), steps=20)
     assert all(p.ok for p in results), results
+    # without the campaign's results.json (an interrupted campaign) it is never a pass
+    assert report(tmp_path) == 1
+    assert "| campaign_finished | **FAIL** |" in (tmp_path / "report.md").read_text()
+    (tmp_path / "results.json").write_text(json.dumps({"scenario": {"name": "good"}, "injections": [],
+                                                       "properties": [p.to_dict() for p in results]}))
     assert report(tmp_path) == 0
     md = (tmp_path / "report.md").read_text()
     assert "— PASS" in md and "| f0 | kill-worker |" in md and "| local |" in md
