@@ -41,6 +41,29 @@ def owner_alive(directory: str | os.PathLike) -> bool:
         return False
 
 
+def reclaim_dirs(parent: str | os.PathLike, prefix: str, grace: timedelta = timedelta(hours=1)) -> list[str]:
+    """Remove the ``prefix*`` directories under ``parent`` whose owner process is gone (one
+    killed with -9 cannot remove its own). One without an owner file is removed only once
+    older than ``grace``: it may be a moment from getting one. Returns what was removed."""
+    import shutil
+    import time
+
+    removed = []
+    for entry in os.scandir(parent):
+        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+            continue
+        has_owner = os.path.exists(os.path.join(entry.path, OWNER))
+        try:
+            stale = (not owner_alive(entry.path)) if has_owner else (
+                time.time() - entry.stat(follow_symlinks=False).st_mtime > grace.total_seconds())
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
 def kill_tree(proc: subprocess.Popen, timeout: timedelta = timedelta(seconds=10)) -> None:
     """SIGKILL ``proc`` (started with its own session or group), its group and
     every descendant; wait up to ``timeout`` for them to be gone."""

@@ -49,3 +49,33 @@ def test_dead_trees_of_other_jobs_are_reclaimed_foreign_dirs_kept(tmp_path):
     NodeStore(tmp_path, "another-job", "n0").create()
     assert not job_dir(tmp_path, "job").exists()
     assert foreign.exists()
+
+
+def test_agent_dirs_of_dead_owners_are_reclaimed(tmp_path):
+    """An agent killed with -9 leaves its heartbeat dir; the next agent removes it
+    (owner dead, or no owner file for over an hour), and nothing else."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from resilient.procs import OWNER, owner_record, reclaim_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name, owner in (("resilient-agent-a-dead", {"pid": dead.pid, "pid_started": 1.0}),
+                        ("resilient-agent-b-live", None), ("resilient-agent-c-old", False),
+                        ("resilient-agent-d-new", False), ("someone-else", {"pid": dead.pid, "pid_started": 1.0})):
+        d = tmp_path / name
+        d.mkdir()
+        if owner is None:
+            (d / OWNER).write_text(owner_record())
+        elif owner:
+            (d / OWNER).write_text(json.dumps(owner))
+    old = time.time() - 7200
+    os.utime(tmp_path / "resilient-agent-c-old", (old, old))
+    removed = sorted(os.path.basename(p) for p in reclaim_dirs(tmp_path, "resilient-agent-"))
+    assert removed == ["resilient-agent-a-dead", "resilient-agent-c-old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resilient-agent-b-live", "resilient-agent-d-new",
+                                                          "someone-else"]

@@ -55,6 +55,7 @@ from resilient.agent.membership import NodeRegistry
 from resilient.agent.pool import WarmPool, WorkerProcess
 from resilient.agent.quarantine import QUARANTINE_EXIT, Quarantine
 from resilient.events import EventLog, read_events
+from resilient.procs import OWNER, owner_record, reclaim_dirs
 from resilient.rendezvous.api import RendezvousRoundLost
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,11 @@ class ResilientAgent(SimpleElasticAgent):
         self.registry = registry
         self.events = events
         self.pool = WarmPool(settings.spares, settings.worker_env)
+        # Heartbeat files live here; an agent killed with -9 leaves its dir behind, so the
+        # next one on this machine removes those whose owner is gone.
+        reclaim_dirs(tempfile.gettempdir(), "resilient-agent-")
         self._tmp = Path(tempfile.mkdtemp(prefix=f"resilient-agent-{settings.node_id}-"))
+        (self._tmp / OWNER).write_text(owner_record())
         self.heartbeats = HeartbeatMonitor(self._tmp, settings.heartbeat_timeout, settings.startup_timeout)
         self.procs: dict[int, WorkerProcess] = {}
         self.round_nodes: set[str] = set()
