@@ -322,7 +322,7 @@ def first_overlap(chunks: list[ChunkRecord]) -> tuple[ChunkRecord, ChunkRecord] 
 
 def check_no_overlap(t: TensorRecord, where: str) -> None:
     """Raise :class:`SnapshotCorrupt` if two chunks of ``t`` overlap (see :func:`first_overlap`)."""
-    pair = first_overlap(t.chunks)
+    pair = first_overlap(t.chunks) if len(t.chunks) > 1 else None  # most tensors: one chunk per rank
     if pair is not None:
         a, b = pair
         raise SnapshotCorrupt(f"{where}: chunks of {t.name!r} overlap ({list(a.offsets)}+{list(a.sizes)} and "
@@ -348,9 +348,7 @@ def _chunk_from_json(doc: Any, shape: tuple[int, ...], itemsize: int, name: str,
         raise SnapshotCorrupt(f"{where}: unknown compression {c.compression!r}", where)
     # The byte counts must agree with the box: a reader sizes its reads by them, and a
     # garbled length must not make it allocate terabytes.
-    numel = 1
-    for size in sizes:
-        numel *= size
+    numel = math.prod(sizes)
     if c.raw_length != numel * itemsize or (c.compression == "none" and c.length != c.raw_length):
         raise SnapshotCorrupt(f"{where}: a chunk of {name!r} says {c.length}/{c.raw_length} bytes for "
                               f"{numel} elements of {itemsize} bytes; the manifest is damaged", where)
