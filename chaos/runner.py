@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient.errors import ConfigError
+from resilient.procs import ignore_stop_signals
 
 from .campaign import evaluate
 from .infra import Infra
@@ -227,9 +228,7 @@ def run_campaign(scenario: str | Path, out: str | Path | None = None, *, log=pri
     holds). ``budget`` replaces the scenario's (a scaled soak)."""
     sc = load_scenario(scenario)
     if budget is not None:
-        if not 0 < budget.total_seconds() <= MAX_SECONDS:
-            raise ConfigError(f"--budget must be > 0 and ≤ {MAX_SECONDS:g} seconds (got {budget.total_seconds()})")
-        sc.budget_seconds = budget.total_seconds()
+        sc.budget_seconds = _checked_budget(budget.total_seconds())
     plan = sc.plan()  # every check of the scenario before anything is created
     out = Path(out or Path("runs") / "chaos" / f"{sc.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     ref_dir, run_dir = out / "reference", out / "faulted"
@@ -335,10 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
         if args.cmd == "run":
-            if args.budget is not None and not 0 < args.budget <= MAX_SECONDS:  # NaN-safe
-                raise ConfigError(f"--budget must be > 0 and ≤ {MAX_SECONDS:g} seconds (got {args.budget})")
             return run_campaign(args.scenario, args.out,
-                                budget=None if args.budget is None else timedelta(seconds=args.budget))
+                                budget=None if args.budget is None else timedelta(seconds=_checked_budget(args.budget)))
         d = Path(args.dir)
         if (d / "reference").is_dir() and not (d / "faulted").is_dir():
             raise ConfigError(f"{d} holds only the reference run: the campaign was interrupted before its faulted run")
@@ -360,12 +357,17 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
 
 
+def _checked_budget(seconds: float) -> float:
+    if not 0 < seconds <= MAX_SECONDS:  # NaN-safe; checked before a timedelta is made of it
+        raise ConfigError(f"--budget must be > 0 and ≤ {MAX_SECONDS:g} seconds (got {seconds})")
+    return seconds
+
+
 def _raise_interrupt(signum, frame) -> None:
     # The first signal unwinds; the teardown it starts (agents get STOP_GRACE to leave,
     # then are killed; etcd stopped; mounts undone) must not be cut short by a second
     # one, which left agents running against a stopped etcd.
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
+    ignore_stop_signals()
     print("resilient chaos: stopping the job (up to 30 s; further signals are ignored)...", file=sys.stderr)
     raise KeyboardInterrupt(f"signal {signum}")
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import tomllib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from resilient.configbase import knob, load_section
+from resilient.configbase import knob, load_section, read_toml
 from resilient.errors import ConfigError
 
 def _many(kind: type, doc: str) -> Any:
@@ -449,17 +448,10 @@ def load_scenario(path: str | os.PathLike) -> Scenario:
     if not p.exists() and not p.suffix and (SCENARIO_DIR / f"{p}.toml").exists():
         p = SCENARIO_DIR / f"{p}.toml"
     try:
-        with open(p, "rb") as f:
-            table = tomllib.load(f)
+        table = read_toml(p, "scenario")
     except FileNotFoundError:
         shipped = ", ".join(sorted(x.stem for x in SCENARIO_DIR.glob("*.toml")))
         raise ConfigError(f"scenario {path} does not exist; shipped scenarios: {shipped}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p} is not valid TOML: {e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start}); a scenario is a TOML file") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read scenario {p}: {e.strerror or e}; pass a TOML file") from None
     return scenario_from_dict(table, str(p))
 
 

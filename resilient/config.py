@@ -27,7 +27,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.configbase import explain, knob, load_section, section_to_dict
+from resilient.configbase import explain, knob, load_section, read_toml, section_to_dict
 from resilient.errors import ConfigError
 from resilient.sdc.api import SdcConfig
 from resilient.snapshot.config import SnapshotConfig
@@ -310,18 +310,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     table: dict = {}
     if path:
         try:
-            with open(path, "rb") as f:
-                table = tomllib.load(f)
+            table = read_toml(path, "config file")
         except FileNotFoundError:
             raise ConfigError(f"config file {source} does not exist; see configs/ for examples") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config file {source} is a directory; pass a TOML file, e.g. configs/demo.toml") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start}); a config must be a UTF-8 TOML file") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{source} is not valid TOML: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {source}: {e.strerror or e}; check the path and its permissions") from None
     apply_overrides(table, overrides or [])
     return config_from_dict(table, source)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import tomllib
 import typing
 from typing import Any, Mapping
 
@@ -126,3 +128,23 @@ def explain(cls: type, prefix: str = "") -> list[str]:
         extra = f" [one of {', '.join(map(repr, choices))}]" if choices else ""
         lines.append(f"{name} = {default!r}  # {f.metadata.get('doc', '')}{extra}")
     return lines
+
+
+def read_toml(path: str | os.PathLike, what: str) -> dict:
+    """The table in TOML file ``path``; a :class:`ConfigError` naming ``what`` (e.g. "config
+    file") for a directory, non-UTF-8 or invalid TOML, or an unreadable file.
+    FileNotFoundError propagates: callers know where to look for the right file."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a directory; pass a TOML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                          "it must be a UTF-8 TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror or e}; check the path and its permissions") from None

@@ -41,6 +41,16 @@ def owner_alive(directory: str | os.PathLike) -> bool:
         return False
 
 
+def ignore_stop_signals() -> None:
+    """Ignore SIGINT and SIGTERM from now on: a graceful stop (bounded by its own grace)
+    that a second Ctrl-C cut short would leave processes behind."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread: no handler of ours is installed there
+            pass
+
+
 def reclaim_dirs(parent: str | os.PathLike, prefix: str, grace: timedelta = timedelta(hours=1)) -> list[str]:
     """Remove the ``prefix*`` directories under ``parent`` whose owner process is gone (one
     killed with -9 cannot remove its own). One without an owner file is removed only once

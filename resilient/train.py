@@ -294,13 +294,13 @@ class Trainer:
                 init_parameters(part, self.cfg.train.seed)
         self.startup["restore" if restored is not None else "init"] = round(time.perf_counter() - t0, 4)
         self.startup.update({f"restore.{k}": v for k, v in self.state.timings.items()})
-        if self.sdc is not None:   # the at-rest hashes start here (restored or initialized)
-            self.sdc.note_restored(restored.step if restored is not None else self.step, self.model.parts)
         if restored is not None:
             self.step = restored.step
             if self.progress:
                 self.progress.message(f"restored step {restored.step} from {restored.url} "
                                       f"({'resharded, ' if restored.resharded else ''}{time.perf_counter() - t0:.2f}s)")
+        if self.sdc is not None:   # the at-rest hashes start here (restored or initialized)
+            self.sdc.note_restored(self.step, self.model.parts)
 
     def _log_step(self, r: StepResult) -> None:
         mfu = None

@@ -239,7 +239,8 @@ class TrainState:
         finally:
             for r in readers:
                 r.close()
-        if restored is not None and self.durable.rank == 0 and self.store is not None:
+        # A rollback (max_step) drops later versions of every tier itself: abandon_after.
+        if restored is not None and self.durable.rank == 0 and self.store is not None and max_step is None:
             try:
                 forget_after(self.store, restored.step)
             except Exception:  # bookkeeping; the next commits go on regardless

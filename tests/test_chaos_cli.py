@@ -46,7 +46,7 @@ def test_bad_run_arguments_start_nothing(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     cases = [(["run", "kill-worker", "--budget", "nan"], "--budget must be > 0"),
              (["run", "kill-worker", "--budget", "1e20"], "--budget must be > 0"),
-             (["run", str(tmp_path / "dir.toml")], "cannot read scenario"),
+             (["run", str(tmp_path / "dir.toml")], "dir.toml is a directory"),
              (["run", str(tmp_path / "latin.toml")], "not UTF-8"),
              (["run", str(tmp_path / "inf.toml")], "must be a finite number"),
              (["run", "kill-worker", "--out", str(tmp_path / "afile")], "afile"),

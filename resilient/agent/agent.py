@@ -55,7 +55,7 @@ from resilient.agent.membership import NodeRegistry
 from resilient.agent.pool import WarmPool, WorkerProcess
 from resilient.agent.quarantine import QUARANTINE_EXIT, Quarantine
 from resilient.events import EventLog, read_events
-from resilient.procs import OWNER, owner_record, reclaim_dirs
+from resilient.procs import OWNER, ignore_stop_signals, owner_record, reclaim_dirs
 from resilient.rendezvous.api import RendezvousRoundLost
 
 log = logging.getLogger(__name__)
@@ -65,15 +65,6 @@ MAX_STARTUP_FAILURES = 3
 # its workers) before the agent gives up: each attempt is a real re-join, bounded
 # by the join timeout, so this only stops a loop that would never settle.
 MAX_LOST_ROUNDS = 20
-
-
-def _ignore_stop_signals() -> None:
-    """Ignore SIGINT/SIGTERM from now on (the graceful stop is bounded by its grace)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            signal.signal(sig, signal.SIG_IGN)
-        except ValueError:  # not the main thread: nothing installed a handler there either
-            pass
 
 
 class ResilientAgent(SimpleElasticAgent):
@@ -363,7 +354,7 @@ class ResilientAgent(SimpleElasticAgent):
         # newest steps lost (the workers would die mid-step with a KeyboardInterrupt).
         preempted = death_sig in (signal.SIGTERM, signal.SIGINT) and running
         if preempted:
-            _ignore_stop_signals()  # a second Ctrl-C must not abandon the workers half-way
+            ignore_stop_signals()  # a second Ctrl-C must not abandon the workers half-way
             self.events.emit("preemption", signal=int(death_sig),
                              grace_seconds=self.settings.preemption_grace.total_seconds())
             self._stop_workers(self._worker_group, signal.SIGTERM, self.settings.preemption_grace)

@@ -25,6 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import psutil
+
 from resilient.agent.api import NodeIdInUse
 from resilient.etcd import EtcdClient, EtcdError, LivenessLease
 
@@ -71,7 +73,8 @@ class NodeRegistry:
                 holder = json.loads(got.kv.value)
             except (ValueError, UnicodeDecodeError):
                 holder = {}
-            if holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid")):
+            pid = holder.get("pid")
+            if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not psutil.pid_exists(pid):
                 seen = got.kv.mod_revision  # take it over, unless it changes meanwhile
                 continue
             if time.monotonic() > deadline:
@@ -144,19 +147,6 @@ class NodeRegistry:
             self.lease.close(revoke=True)
         except EtcdError as e:
             log.warning("could not revoke the node lease: %s", e)
-
-
-def _pid_alive(pid) -> bool:
-    """Whether a process ``pid`` exists on this host (one we may not signal counts as alive)."""
-    try:
-        os.kill(int(pid), 0)
-    except (TypeError, ValueError):
-        return True  # no pid recorded: not provably dead
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def refuses_connections(address: str, timeout: timedelta) -> bool:

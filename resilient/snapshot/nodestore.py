@@ -240,15 +240,10 @@ class NodeStore:
         """A writer of ``rel``; FileNotFoundError once the store was removed (a peer's push
         arriving after the agent closed it must not build a new, ownerless tree that no
         reclaim would ever find)."""
-        path = self.file(rel)
-        parent = path.parent
-        missing = []
-        while parent != self.path and not parent.is_dir():
-            missing.append(parent)
-            parent = parent.parent
+        path = self.file(rel)  # step-S/ATTEMPT/name: two directory levels below the store
         if not self.path.is_dir():
             raise FileNotFoundError(f"{self.path}: node {self.node}'s store is gone")
-        for d in reversed(missing):
+        for d in (path.parent.parent, path.parent):
             d.mkdir(mode=0o700, exist_ok=True)  # private, as the node's own directory
         return AtomicWriter(path, self.spares)
 

@@ -128,12 +128,12 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             if not self._auth(sock, owner.secret):
                 return
-            while not owner.closed:  # a closed server answers nothing more
+            while True:
                 try:
                     req = _recv_header(sock)
                 except ConnectionError:
                     return
-                if owner.closed:
+                if owner.closed:  # a request that arrives after close() is not served
                     return
                 self._serve(sock, owner.store, req)
         except (OSError, ValueError) as e:
