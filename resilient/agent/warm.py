@@ -114,6 +114,9 @@ def _preload() -> None:
 
     import resilient.train  # noqa: F401
     import resilient.worker  # noqa: F401
+    from resilient.sdc import native
+
+    native.library()   # the SDC kernels: built once per machine (~0.3 s), loaded here once for every fork
 
 
 def _zygote(status_fd: int) -> int:

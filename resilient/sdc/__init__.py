@@ -4,6 +4,7 @@ Modules, by role:
 
 * ``api``        - errors, :class:`Verdict`, :class:`Suspicion`, :class:`Decision`, ``[sdc]`` config
 * ``checksums``  - per-tensor (sum, L1, amax, bit-sum) rows; replica comparison; robust spikes
+* ``native``     - the same checksums in one pass per tensor on CPU (``native.c``, built on first use)
 * ``atrest``     - bit-sum records of parameters and optimizer state between optimizer steps
 * ``reduction``  - the linear check of FSDP2 reduce-scatters and of DDP-style all-reduces
 * ``replay``     - fingerprints and the replay state machine

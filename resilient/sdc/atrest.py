@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from resilient.sdc import native
 from resilient.sdc.api import KIND_AT_REST, KIND_STATE_AT_REST, Suspicion
 from resilient.sdc.checksums import bits_view, local
 
@@ -67,14 +68,16 @@ class BitSums:
         self.sources = list(tensors)
         xs = [local(t).detach() for t in self.sources]
         self.big = [i for i, x in enumerate(xs) if x.dim()]
-        self.ptrs = [xs[i].data_ptr() for i in self.big]
+        self.ptrs = [x.data_ptr() for x in xs]
         self.entries: list[tuple[int, ...]] = []
         self.parts: list[tuple[str, torch.Tensor]] = []     # ("one" | "blocks", integer view)
+        segs = []                                            # each entry's elements, for the native kernel
         for run in _runs([(i, xs[i]) for i in self.big]):
             if len(run) == 1:
                 i = run[0]
                 self.parts.append(("one", bits_view(xs[i])))
                 self.entries.append((i,))
+                segs.append(xs[i])
                 continue
             first = xs[run[0]]
             n = sum(xs[i].numel() for i in run)
@@ -87,21 +90,27 @@ class BitSums:
             for lo in range(0, n, BLOCK):
                 hi = min(lo + BLOCK, n)
                 self.entries.append(tuple(i for i, e, b in zip(run, ends, [0] + ends) if b < hi and e > lo))
+                segs.append(flat[lo:hi])
         scalars: dict[torch.dtype, list[int]] = {}
         for i, x in enumerate(xs):
             if not x.dim():
                 scalars.setdefault(x.dtype, []).append(i)
         self.scalars = [(idx, [xs[i] for i in idx]) for idx in scalars.values()]
         self.entries += [(i,) for idx, _ in self.scalars for i in idx]
+        segs += [x for _, group in self.scalars for x in group]
+        # CPU, 4-byte elements (fp32 training): every entry in one C call (see native.py)
+        self.native = native.Segments(segs)
 
     def same(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Still the same tensors, with the same local storage?"""
         return (len(tensors) == len(self.sources) and all(a is b for a, b in zip(tensors, self.sources))
-                and all(local(self.sources[i]).data_ptr() == p for i, p in zip(self.big, self.ptrs)))
+                and all(local(t).data_ptr() == p for t, p in zip(self.sources, self.ptrs)))
 
     def __call__(self) -> torch.Tensor:
         if not self.sources:
             return torch.zeros(0, dtype=torch.int64)
+        if self.native.ok:
+            return self.native()
         sums = []
         for how, v in self.parts:
             if how == "one":

@@ -123,7 +123,12 @@ def _write_local(path: str, pieces: Iterable[Any], spares: Spares | None = None)
         except OSError:
             pass
         raise
-    fd = os.open(parent, os.O_RDONLY)
+    fsync_dir(parent)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (a rename, a new link) durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
