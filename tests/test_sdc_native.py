@@ -12,6 +12,7 @@ import subprocess
 import sys
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch
 from hypothesis import given, settings
@@ -227,7 +228,7 @@ def test_a_hung_compiler_is_killed_and_not_waited_for_again(tmp_path, monkeypatc
             assert native.library() is None
             assert "failed recently" in caplog.text
         assert runs.read_text().count("run") == 1            # it did not try (and wait) again
-        left = subprocess.run(["pgrep", "-f", "sleep 6131"], capture_output=True, text=True).stdout.split()
+        left = [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "6131"]]
         assert not left, f"compiler processes left behind: {left}"
     finally:
         native.library.cache_clear()
