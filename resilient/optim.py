@@ -119,27 +119,27 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, replicas: 
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float64, device=device)
+    # foreach kernels take dense tensors only (an embedding with sparse=True has a sparse grad):
+    # sparse ones form groups of their own and take the per-tensor path
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local = g._local_tensor if isinstance(g, DTensor) else g
-        groups.setdefault((local.device, local.dtype, _replication(g, replicas)), []).append(local)
-    for (dev, _, rep), ts in groups.items():
-        dense = [t for t in ts if t.layout == torch.strided]
-        norms = list(torch._foreach_norm(dense, 2, dtype=torch.float64)) if dense else []
-        # foreach kernels take dense tensors only (an embedding with sparse=True has a sparse grad)
-        norms += [t.coalesce().values().double().norm() for t in ts if t.layout != torch.strided]
+        key = (local.device, local.dtype, _replication(g, replicas), local.layout != torch.strided)
+        groups.setdefault(key, []).append(local)
+    for (_, _, rep, sparse), ts in groups.items():
+        norms = ([t.coalesce().values().double().norm() for t in ts] if sparse
+                 else torch._foreach_norm(ts, 2, dtype=torch.float64))
         sq += (torch.stack(norms).pow(2).sum() / rep).to(device)
     if dist.is_initialized():
         dist.all_reduce(sq)
     norm = sq.sqrt().float()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for (dev, dtype, _), ts in groups.items():
+        for (dev, dtype, _, sparse), ts in groups.items():
             c = coef.to(dev, dtype)
-            dense = [t for t in ts if t.layout == torch.strided]
-            if dense:
-                torch._foreach_mul_(dense, c)
-            for t in ts:
-                if t.layout != torch.strided:
+            if sparse:
+                for t in ts:
                     t.mul_(c)
+            else:
+                torch._foreach_mul_(ts, c)
     return norm

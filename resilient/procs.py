@@ -51,10 +51,12 @@ def ignore_stop_signals() -> None:
             pass
 
 
-def reclaim_dirs(parent: str | os.PathLike, prefix: str, grace: timedelta = timedelta(hours=1)) -> list[str]:
+def reclaim_dirs(parent: str | os.PathLike, prefix: str,
+                 grace: timedelta | None = timedelta(hours=1)) -> list[str]:
     """Remove the ``prefix*`` directories under ``parent`` whose owner process is gone (one
     killed with -9 cannot remove its own). One without an owner file is removed only once
-    older than ``grace``: it may be a moment from getting one. Returns what was removed."""
+    older than ``grace`` (it may be a moment from getting one), never with ``grace=None``.
+    Returns what was removed."""
     import shutil
     import time
 
@@ -63,6 +65,8 @@ def reclaim_dirs(parent: str | os.PathLike, prefix: str, grace: timedelta = time
         if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
             continue
         has_owner = os.path.exists(os.path.join(entry.path, OWNER))
+        if not has_owner and grace is None:
+            continue
         try:
             stale = (not owner_alive(entry.path)) if has_owner else (
                 time.time() - entry.stat(follow_symlinks=False).st_mtime > grace.total_seconds())

@@ -39,8 +39,6 @@ from resilient.sdc.checksums import local as _local
 from resilient.snapshot.api import StorageError
 from resilient.snapshot.flatten import iter_leaves
 from resilient.snapshot.restore import restore_candidates
-from resilient.snapshot.retention import drop_after
-from resilient.snapshot.storage import open_url
 from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
 
 # A failing rank's wait for its in-flight snapshot writes: the node store's (tmpfs) take
@@ -320,8 +318,7 @@ class TrainState:
             return
         if self.store is not None:
             forget_after(self.store, step)
-        fs, root = open_url(self.durable.url, self.durable.storage_options)
-        dropped = drop_after(fs, root, step)
+        dropped = self.durable.drop_after(step)
         if dropped:
             self.events.emit("gc", step=step, removed=dropped, kept=[], reason="rollback")
 

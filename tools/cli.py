@@ -18,6 +18,9 @@ from resilient.errors import ResilientError
 URL_HELP = "checkpoint URL (folder, file://, s3://, any fsspec URL), optionally @STEP (default: newest complete)"
 
 
+_FORCE_VERSION = ("replace a version of this step already in OUT (complete or left by an interrupted run); "
+                  "the old one stays until the new one commits")
+
 def _at_least(low: int):
     """An argparse type: an int >= ``low`` (0 MB blocks, 0 threads or 0 MB in flight would hang or divide by 0)."""
     def parse(text: str) -> int:
@@ -69,8 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--block-mb", type=POSITIVE, default=32, help="row block size: bounds memory (default 32)")
     s.add_argument("--chunk-mb", type=POSITIVE, default=16, help="max chunk size written (default 16)")
     s.add_argument("--compress", choices=("auto", "none", "zstd"), default="auto")
-    s.add_argument("--force", action="store_true", help="replace a version of this step already in OUT "
-                   "(complete or left by an interrupted run); the old one stays until the new one commits")
+    s.add_argument("--force", action="store_true", help=_FORCE_VERSION)
 
     s = sub.add_parser("convert", help="consolidated weights as safetensors, a torch DCP folder, or a torch.save file",
                        description="safetensors: streamed (memory: one block). torch-dcp: streamed through a "
@@ -92,8 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--step", type=NON_NEGATIVE, default=0, help="step of the version written (default 0)")
     s.add_argument("--block-mb", type=POSITIVE, default=32)
     s.add_argument("--compress", choices=("auto", "none", "zstd"), default="auto")
-    s.add_argument("--force", action="store_true", help="replace a version of this step already in OUT "
-                   "(complete or left by an interrupted run); the old one stays until the new one commits")
+    s.add_argument("--force", action="store_true", help=_FORCE_VERSION)
 
     s = sub.add_parser("diff", help="tensor by tensor: equal, or max abs/rel difference; exit 1 if they differ")
     s.add_argument("a", help=URL_HELP)
@@ -211,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
 
 # What an interrupted command leaves (the writers clean up after themselves; gc would keep an
 # incomplete version newer than every complete one forever, so "gc removes it" was not true).
+_VERSION_LEFT = ("nothing was committed and the partial output was removed; if a step-* folder without "
+                 "manifest.json is left in OUT (storage failed during the cleanup), rerun with --force")
 _INTERRUPTED = {
-    "reshard": "nothing was committed and the partial output was removed; if a step-* folder without "
-               "manifest.json is left in OUT (storage failed during the cleanup), rerun with --force",
-    "import": "nothing was committed and the partial output was removed; if a step-* folder without "
-              "manifest.json is left in OUT (storage failed during the cleanup), rerun with --force",
+    "reshard": _VERSION_LEFT,
+    "import": _VERSION_LEFT,
     "convert": "OUT was not written (a local file appears only when complete; a torch-dcp folder may hold "
                "partial files: rerun with --force)",
     "gc": "versions are removed manifest first, so each left is complete or debris; rerun gc to finish",

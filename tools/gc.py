@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from resilient.snapshot.api import SnapshotError, StorageError
-from resilient.snapshot.format import MANIFEST_NAME
-from resilient.snapshot.retention import list_versions, plan_retention
+from resilient.snapshot.retention import list_versions, plan_retention, remove_versions
 from resilient.snapshot.storage import RetryPolicy, with_retry
 
 from resilient_tools.errors import CkptToolError
@@ -60,30 +59,16 @@ def gc(url: str, keep_last: int, keep_every: int = 0, dry_run: bool = False) -> 
         except SnapshotError as e:  # corrupt, or a newer format: not counted, not deleted
             unreadable[step] = f"{type(e).__name__}: {e}"
     doomed = plan_retention(readable, keep_last, keep_every)
-    survivors = [s for s, ok in readable.items() if ok and s not in doomed]
-    if any(readable.values()) and not survivors:  # plan_retention guarantees it; deleting data must not rely on that
+    kept = sorted(s for s, ok in readable.items() if ok and s not in doomed)
+    if any(readable.values()) and not kept:  # plan_retention guarantees it; deleting data must not rely on that
         raise AssertionError(f"retention plan would delete every readable version of {url}")
     if not dry_run:
         for step in doomed:
             path, _ = versions[step]
-            with_retry(lambda: _remove(fs, path, readable[step]), path, policy)
+            with_retry(lambda: remove_versions(fs, [(path, readable[step])]), path, policy)
         fs.invalidate_cache(root)
-    kept = sorted(s for s, ok in readable.items() if ok and s not in doomed)
     pending = sorted(s for s, ok in readable.items() if not ok and s not in doomed)
     return GcResult(doomed, kept, pending, dry_run, unreadable)
-
-
-def _remove(fs, path: str, complete: bool) -> None:
-    """Delete one version, its manifest first: a half-deleted version must never look complete."""
-    if complete:
-        try:
-            fs.rm_file(f"{path}/{MANIFEST_NAME}")
-        except FileNotFoundError:
-            pass
-    try:
-        fs.rm(path, recursive=True)
-    except FileNotFoundError:
-        pass
 
 
 def format_gc(r: GcResult) -> str:

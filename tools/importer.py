@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from resilient.snapshot.boxes import Box
-from resilient.snapshot.flatten import split_state
+from resilient.snapshot.flatten import escape, split_state
 
 from resilient_tools.blocks import itemsize, row_blocks
 from resilient_tools.errors import ConvertError
@@ -187,10 +187,6 @@ def read_dcp_metadata(folder: str):
     return meta
 
 
-def _esc(part: str) -> str:
-    return part.replace("~", "~0").replace("/", "~1")
-
-
 def _from_dcp_name(key: str) -> str:
     """DCP's dotted key back to our name (the inverse of ``convert._dcp_name``).
 
@@ -202,14 +198,14 @@ def _from_dcp_name(key: str) -> str:
         rest = key[len("optim."):]
         if rest.startswith("param_groups."):
             index, _, k = rest[len("param_groups."):].partition(".")
-            return "/".join(["optim", "param_groups", _esc(index)] + ([_esc(k)] if k else []))
+            return "/".join(["optim", "param_groups", escape(index)] + ([escape(k)] if k else []))
         head = ["optim"]
         if rest.startswith("state."):
             head, rest = ["optim", "state"], rest[len("state."):]
         param, _, k = rest.rpartition(".")
-        return "/".join(head + ([_esc(param)] if param else []) + [_esc(k)])
+        return "/".join(head + ([escape(param)] if param else []) + [escape(k)])
     if key.startswith("model."):
-        return f"model/{_esc(key[len('model.'):])}"
+        return f"model/{escape(key[len('model.'):])}"
     return our_name(key)
 
 

@@ -214,7 +214,6 @@ class VersionWriter:
             except OSError:  # FileNotFoundError included: nothing of ours reached storage
                 pass
         try:
-            self.fs.invalidate_cache(self.vdir)
             # object stores have no folders: only local ones this writer made are left, empty
             for folder, made in ((self.vdir, not self.existed), (self.root, not self.root_existed)):
                 self.fs.invalidate_cache(folder)

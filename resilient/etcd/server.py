@@ -34,7 +34,7 @@ import requests
 
 from resilient.etcd.api import EtcdError, EtcdNotFound
 from resilient.etcd.client import EtcdClient
-from resilient.procs import OWNER, owner_alive, owner_record
+from resilient.procs import OWNER, owner_record, reclaim_dirs
 
 __all__ = ["EmbeddedEtcd", "find_etcd", "free_port"]
 
@@ -51,12 +51,7 @@ def reclaim_data_dirs(base: str | os.PathLike | None = None) -> list[str]:
     whole job) runs no cleanup; its etcd dies with it (``--pdeathsig``) but the data dir
     stays in the temp dir. The next embedded etcd on the machine removes those. A dir
     without an owner file is left alone (being created, or not ours to judge)."""
-    removed = []
-    for root in Path(base or tempfile.gettempdir()).glob(DIR_PREFIX + "*"):
-        if (root / OWNER).is_file() and not owner_alive(root):
-            shutil.rmtree(root, ignore_errors=True)
-            removed.append(str(root))
-    return removed
+    return reclaim_dirs(base or tempfile.gettempdir(), DIR_PREFIX, grace=None)
 
 
 def find_etcd(binary: str | os.PathLike[str] | None = None) -> str:

@@ -239,6 +239,11 @@ class SdcMonitor:
     def _due(self, step: int, every: int) -> bool:
         return self.cfg.enable and every > 0 and step % every == 0
 
+    def _arm_after(self, step: int) -> None:
+        """The next step's backward records its reductions only if that step will be checked."""
+        for chk in self.reductions:
+            chk.arm(self._due(step + 1, self.cfg.check_every))
+
     def _devices(self) -> dict[int, str]:
         if not self.devices:
             mine = device_id(self.device)
@@ -462,8 +467,7 @@ class SdcMonitor:
     def after_optimizer_step(self, step: int, model_parts: Parts) -> Decision:
         """Record parameters (every ``param_check_every``) and optimizer state (every
         ``state_check_every``) at rest; compare replicated parameters."""
-        for chk in self.reductions:   # the next step's backward records only if it will be checked
-            chk.arm(self._due(step + 1, self.cfg.check_every))
+        self._arm_after(step)
         params_due = self._due(step, self.cfg.param_check_every)
         self.resting.record(step, self._params(model_parts), params=params_due,
                             state=self._due(step, self.cfg.state_check_every))
@@ -575,5 +579,4 @@ class SdcMonitor:
         if model_parts is not None and self.cfg.enable:
             self.resting.record(step, self._params(model_parts), params=self.cfg.param_check_every > 0,
                                 state=self.cfg.state_check_every > 0)
-        for chk in self.reductions:
-            chk.arm(self._due(step + 1, self.cfg.check_every))
+        self._arm_after(step)

@@ -15,7 +15,8 @@ from typing import Any, Iterator
 import torch
 
 
-def _escape(key: Any) -> str:
+def escape(key: Any) -> str:
+    """One level of a tensor name: ``~`` and ``/`` escaped (JSON-pointer style)."""
     return str(key).replace("~", "~0").replace("/", "~1")
 
 
@@ -39,7 +40,7 @@ def iter_leaves(state: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any, A
     else:
         items = enumerate(state)
     for key, value in items:
-        name = f"{prefix}/{_escape(key)}" if prefix else _escape(key)
+        name = f"{prefix}/{escape(key)}" if prefix else escape(key)
         if isinstance(value, torch.Tensor):
             yield name, value, state, key
         elif isinstance(value, dict) or (isinstance(value, (list, tuple)) and _has_tensor(value)):

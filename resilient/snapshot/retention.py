@@ -56,7 +56,7 @@ def collect_garbage(fs: fsspec.AbstractFileSystem, root: str, keep_last: int, ke
     """Apply retention under ``root``; returns (removed steps, kept complete steps)."""
     versions = list_versions(fs, root)
     doomed = plan_retention({s: ok for s, (_, ok) in versions.items()}, keep_last, keep_every, protect, floor)
-    _remove(fs, [versions[s] for s in doomed])
+    remove_versions(fs, [versions[s] for s in doomed])
     kept = sorted(s for s, (_, ok) in versions.items() if ok and s not in doomed)
     fs.invalidate_cache(root)
     return doomed, kept
@@ -67,16 +67,20 @@ def drop_after(fs: fsspec.AbstractFileSystem, root: str, step: int) -> list[int]
     the corruption it rolls back from); returns their steps."""
     versions = list_versions(fs, root)
     doomed = sorted(s for s in versions if s > step)
-    _remove(fs, [versions[s] for s in doomed])
+    remove_versions(fs, [versions[s] for s in doomed])
     fs.invalidate_cache(root)
     return doomed
 
 
-def _remove(fs: fsspec.AbstractFileSystem, versions: list[tuple[str, bool]]) -> None:
-    """Delete versions, each manifest first: a half-deleted version never looks complete."""
+def remove_versions(fs: fsspec.AbstractFileSystem, versions: list[tuple[str, bool]]) -> None:
+    """Delete versions (path, complete?), each manifest first: a half-deleted version never
+    looks complete. What is already gone (a retry after a partial first try) is skipped."""
     for path, complete in versions:
-        if complete:
-            fs.rm_file(f"{path}/{MANIFEST_NAME}")
+        try:
+            if complete:
+                fs.rm_file(f"{path}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
         try:
             fs.rm(path, recursive=True)
         except FileNotFoundError:

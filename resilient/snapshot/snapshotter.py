@@ -29,6 +29,7 @@ import torch.distributed as dist
 from resilient.snapshot.api import Restored
 from resilient.snapshot.config import SnapshotConfig
 from resilient.snapshot.capture import SlotRing, build_plan, state_signature
+from resilient.snapshot import retention
 from resilient.snapshot.durable import Committer, DurableOptions, Uploader, emit
 from resilient.snapshot.flatten import split_state
 from resilient.snapshot.reader import SnapshotReader
@@ -247,6 +248,13 @@ class Snapshotter:
         (rank 0 applies retention; elsewhere a no-op)."""
         if self._committer is not None:
             self._committer.floor = step
+
+    def drop_after(self, step: int) -> list[int]:
+        """Delete the versions newer than ``step`` (a rollback; rank 0, after :meth:`wait`);
+        returns their steps. Elsewhere a no-op."""
+        if self._committer is None:
+            return []
+        return retention.drop_after(self._committer.fs, self._committer.root, step)
 
     def upload_error(self, step: int) -> str | None:
         """Why this rank's write of ``step`` failed (after :meth:`wait`); None if it did not."""
