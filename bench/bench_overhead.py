@@ -255,6 +255,8 @@ def run(quick: bool) -> dict:
             notes.append(f"One replica push of a {push['bytes'] / 1e6:.1f} MB rank version between two node stores "
                          f"({'the demo rank' if mb == 7 else 'a larger rank'}; both ends in one process, caches "
                          f"cold): {push['cpu_ms']} ms CPU, {push['wall_ms']} ms wall (median of {push['reps']}; "
-                         f"`python bench/push_cost.py --mb {mb}`, which also A/Bs another checkout).")
+                         f"`python bench/push_cost.py --mb {mb}`, which also A/Bs another checkout)"
+                         + (f"; the rank's own capture and write of it into its node store: {push['write_cpu_ms']} ms "
+                            "CPU." if "write_cpu_ms" in push else "."))
     return row("Steady-state step overhead: snapshots + replication, SDC checks, vs off (interleaved blocks)",
                figures, out_ratios, goals, notes)

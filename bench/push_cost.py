@@ -10,6 +10,11 @@ rewrites spares, as a running agent does. Between pushes a 64 MB buffer is
 rewritten, so the caches are as cold as after a training step. Reported: median
 process CPU (both ends: they share this process) and wall time per push.
 
+Beside it, the worker's side of every version (``write_cpu_ms``): the same
+Snapshotter capturing the state again and writing it into store A (capture on
+the calling thread, CRCs and the write on its writer threads), the older
+version retired to spares first, as the agent's retention does.
+
     python bench/push_cost.py [--mb 7] [--reps 40]
     PYTHONPATH=/path/to/other/checkout python bench/push_cost.py   # the same, another commit
 """
@@ -51,14 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         n = int(args.mb * (1 << 20)) // 4
         state = {f"t{i}": torch.randn(n // 96 + (i < n % 96)) for i in range(96)}  # demo-like: 96 tensors
-        with Snapshotter(a.url, every=1, commit=False, compress="none") as snap:  # as TrainState writes a node store
-            snap.save(1, state)
-            assert snap.wait()
-        version = a.versions()[-1]
         junk = torch.empty(16 << 20)
+        writes = []
+        with Snapshotter(a.url, every=1, commit=False, compress="none") as snap:  # as TrainState writes a node store
+            for i in range(args.reps + 3):
+                a.retain({i}, below=i)
+                junk.fill_(float(i))
+                c0 = time.process_time()
+                snap.save(i + 1, state)
+                assert snap.wait()
+                writes.append(time.process_time() - c0)
+        a.retain({args.reps + 3}, below=args.reps + 3)
+        version = a.versions()[-1]
         cpu, wall = [], []
         for i in range(args.reps + 2):
-            b.retain(set(), below=10)
+            b.retain(set(), below=version.step)
             junk.fill_(float(i))
             c0, w0 = time.process_time(), time.perf_counter()
             sent = rep._push("b", srv.address, version, sorted(version.ranks))
@@ -67,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 wall.append(time.perf_counter() - w0)
         print(json.dumps({"code": str(Path(resilient.__file__).parent.parent), "bytes": sent, "reps": args.reps,
                           "cpu_ms": round(statistics.median(cpu) * 1e3, 2),
+                          "write_cpu_ms": round(statistics.median(writes[3:]) * 1e3, 2),
                           "wall_ms": round(statistics.median(wall) * 1e3, 2)}))
     finally:
         for c in rep._clients.values():

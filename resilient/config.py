@@ -142,6 +142,7 @@ class LaunchConfig:
     keep_alive_interval: float = knob(1.0, "rendezvous keep-alive period; a node missing 3 of them is dropped from the round")
     join_timeout: float = knob(600.0, "how long a node waits for a rendezvous round to complete")
     preemption_grace: float = knob(20.0, "after SIGTERM, how long workers get to finish the step and save before SIGKILL")
+    etcd_compact_interval: float = knob(300.0, "seconds between compactions of etcd's history by each agent (a job that snapshots every step writes etcd records every step, ~0.5 GB of etcd database a day on the demo, and a full etcd refuses every write); 0 = never, for an etcd whose operators compact it")
 
 
 @dataclass
@@ -205,6 +206,7 @@ class Config:
             ("model.ffn_dim", m.ffn_dim), ("parallel.dp", p.dp), ("parallel.microbatches", p.microbatches),
             ("train.steps", t.steps), ("train.stop_at", t.stop_at), ("train.warmup_steps", t.warmup_steps),
             ("train.eval_every", t.eval_every), ("launch.nproc_per_node", self.launch.nproc_per_node),
+            ("launch.etcd_compact_interval", self.launch.etcd_compact_interval),
         )
         for key, val in at_least_zero:
             if val < 0:

@@ -279,6 +279,7 @@ def _run_node(args: argparse.Namespace, cfg: Config, run_dir: Path, config_path:
             startup_timeout=timedelta(seconds=lc.startup_timeout),
             lease_ttl=timedelta(seconds=lc.node_lease_ttl),
             preemption_grace=timedelta(seconds=lc.preemption_grace),
+            etcd_compact_interval=timedelta(seconds=lc.etcd_compact_interval),
             run_id=run_id, etcd_endpoint=endpoint,
             etcd_factory=lambda: client_from_params(params),
             etcd_conf=worker_etcd_conf(_rdzv_conf(args.rdzv_conf)),

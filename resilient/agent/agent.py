@@ -54,6 +54,7 @@ from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
 from resilient.agent.membership import NodeRegistry
 from resilient.agent.pool import WarmPool, WorkerProcess
 from resilient.agent.quarantine import QUARANTINE_EXIT, Quarantine
+from resilient.etcd.compactor import HistoryCompactor
 from resilient.events import EventLog, read_events
 from resilient.procs import OWNER, ignore_stop_signals, owner_record, reclaim_dirs
 from resilient.rendezvous.api import RendezvousRoundLost
@@ -101,6 +102,9 @@ class ResilientAgent(SimpleElasticAgent):
                 self.pool.close()
                 shutil.rmtree(self._tmp, ignore_errors=True)
                 raise
+        self.compactor = None
+        if registry is not None and settings.etcd_compact_interval > timedelta(0):
+            self.compactor = HistoryCompactor(registry.client, settings.etcd_compact_interval)
         if registry is not None:
             info = {"store": self.store.server.address} if self.store is not None else {}
             if hasattr(spec.rdzv_handler, "node_desc"):
@@ -367,6 +371,8 @@ class ResilientAgent(SimpleElasticAgent):
         self.pool.close()
         if self.store is not None:
             self.store.close()
+        if self.compactor is not None:
+            self.compactor.close()
         if self.registry is not None:
             self.registry.leave()
         shutil.rmtree(self._tmp, ignore_errors=True)

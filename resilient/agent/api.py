@@ -57,6 +57,7 @@ class AgentSettings:
     startup_timeout: timedelta = timedelta(minutes=5)
     lease_ttl: timedelta = timedelta(seconds=3)
     preemption_grace: timedelta = timedelta(seconds=20)
+    etcd_compact_interval: timedelta = timedelta(minutes=5)  # zero: never (resilient.etcd.compactor)
     run_id: str = ""
     etcd_endpoint: str = ""
     etcd_factory: Any = None            # () -> EtcdClient, for the node store service

@@ -8,6 +8,7 @@ liveness lease and the snapshot commit records use; ``EmbeddedEtcd``
 from resilient.etcd.api import (
     EtcdAuthError,
     EtcdError,
+    EtcdFull,
     EtcdLeaseExpired,
     EtcdNotFound,
     EtcdUnavailable,
@@ -22,6 +23,7 @@ __all__ = [
     "EtcdAuthError",
     "EtcdClient",
     "EtcdError",
+    "EtcdFull",
     "EtcdLeaseExpired",
     "EtcdNotFound",
     "EtcdUnavailable",

@@ -72,6 +72,21 @@ class EtcdAuthError(EtcdError, PermissionError):
     """etcd refused the credentials or the TLS client certificate."""
 
 
+class EtcdFull(EtcdError, OSError):
+    """etcd's database reached its space quota (the NOSPACE alarm): it refuses every
+    write until an operator frees space. Nothing retries this: it does not pass."""
+
+    def __init__(self, what: str, url: str) -> None:
+        super().__init__(
+            f"etcd {what} at {url}: etcd's database is full (over its --quota-backend-bytes, "
+            "2 GiB by default; the NOSPACE alarm is raised) and it refuses every write. Free it: "
+            "`etcdctl compact REV` with REV the revision `etcdctl endpoint status -w json` shows, then "
+            "`etcdctl defrag` and `etcdctl alarm disarm`. resilient agents compact etcd's history every "
+            "launch.etcd_compact_interval: seeing this means that was 0 or the quota is too small for "
+            "this job (raise it with --quota-backend-bytes)."
+        )
+
+
 class EtcdLeaseExpired(EtcdError):
     """A lease this process held has expired; keys attached to it are gone.
 

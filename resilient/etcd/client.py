@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from resilient.etcd.api import (
     EtcdAuthError,
     EtcdError,
+    EtcdFull,
     EtcdLeaseExpired,
     EtcdUnavailable,
     KeyValue,
@@ -248,6 +249,8 @@ class EtcdClient:
                     reauthed = True
                     self._set_token(None)
                     continue
+                if "database space exceeded" in text:
+                    raise EtcdFull(what, gw.base_url) from None
                 if "lease not found" in text:
                     raise EtcdLeaseExpired(
                         f"etcd {what} at {gw.base_url}: the lease is gone (expired or "
@@ -320,6 +323,22 @@ class EtcdClient:
     def delete_prefix(self, prefix: bytes | str) -> int:
         """Delete every key under ``prefix``; returns how many were deleted."""
         return int(self._post("/kv/deleterange", _range(prefix), f"delete prefix {prefix!r}").get("deleted", 0))
+
+    def revision(self) -> int:
+        """The cluster's current revision (one count-only read)."""
+        resp = self._post("/kv/range", {"key": _b64("/resilient/"), "count_only": True}, "revision")
+        return int(resp["header"]["revision"])
+
+    def compact(self, revision: int) -> bool:
+        """Drop the history of every key before ``revision`` (not the current values);
+        False if it was already compacted that far (another agent did it first)."""
+        try:
+            self._post("/kv/compaction", {"revision": int(revision), "physical": False}, f"compact {revision}")
+        except EtcdError as e:
+            if "compacted" in str(e):
+                return False
+            raise
+        return True
 
     def txn(self, compare: list[dict], success: list[dict], failure: list[dict]) -> dict[str, Any]:
         """A raw v3 transaction (gateway JSON; keys/values base64)."""

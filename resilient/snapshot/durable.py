@@ -154,8 +154,12 @@ class Uploader:
             emit(self.events, "upload_error", step=slot.step, phase="part", obj=f"{vdir}/{obj}",
                  attempt=attempt, error=f"{type(err).__name__}: {err}", retrying=True)
 
-        with_retry(lambda: write_object(self.fs, f"{vdir}/{obj}", payloads(),
-                                        lambda: sum(r.length for _, r in records), self.spares),
+        chunks = [slot.plan.chunks[i] for i in idxs]
+        # Known beforehand unless a chunk may be compressed (a node store then maps the file).
+        size = (sum(c.nbytes for c in chunks)
+                if not any(should_compress(self.opts.compress, c.dtype, self.remote) for c in chunks)
+                else lambda: sum(r.length for _, r in records))
+        with_retry(lambda: write_object(self.fs, f"{vdir}/{obj}", payloads(), size, self.spares),
                    f"{vdir}/{obj}", self.opts.retry, bump)
         return records
 

@@ -27,17 +27,20 @@ machine removes every tree whose owner is dead, of its own job
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import re
 import shutil
 import socket
+import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 
 from resilient.snapshot.api import SnapshotIncomplete, StorageError
@@ -145,6 +148,7 @@ class NodeStore:
         return reclaimed
 
     def remove(self) -> None:
+        MAPPINGS.clear()  # they would keep the removed files' pages alive
         shutil.rmtree(self.path, ignore_errors=True)
         try:
             self.path.parent.rmdir()
@@ -295,17 +299,22 @@ class Spares:
                     continue
                 try:
                     self.path.mkdir(mode=0o700, exist_ok=True)
-                    os.rename(os.path.join(root, name), self.path / uuid.uuid4().hex)
+                    os.rename(os.path.join(root, name), self.path / f"{name}.{uuid.uuid4().hex}")
                     have += 1
                 except OSError:  # the store is going away, or the file is gone: not worth keeping
                     pass
 
-    def claim(self, target: Path) -> bool:
-        """Move a spare file to ``target`` (in the same store); False if none is left."""
+    def claim(self, target: Path, like: str = "") -> bool:
+        """Move a spare file to ``target`` (in the same store); False if none is left.
+        ``like``: the name the file will have (``r00003-p0000.bin``); a spare that had that
+        name is taken first, since the writer of that rank most likely still has it mapped
+        (:class:`Mappings`)."""
         try:
             names = os.listdir(self.path)
         except FileNotFoundError:
             return False
+        if like:
+            names.sort(key=lambda n: not n.startswith(like + "."))
         for name in names:
             try:
                 os.rename(self.path / name, target)
@@ -389,15 +398,118 @@ def readinto_at(path: str | os.PathLike, start: int, out: memoryview) -> int:
     return got
 
 
-def open_for_rewrite(tmp: Path, spares: "Spares | None"):
+def open_for_rewrite(tmp: Path, spares: "Spares | None", like: str = ""):
     """``tmp`` opened for writing from its start: a claimed spare if one is left (rewritten
-    in place; the caller truncates it to what it wrote), else a new file."""
-    if spares is not None and spares.claim(tmp):
+    in place; the caller truncates it to what it wrote), else a new file. ``like``: the
+    final name, to get back a spare that had it (:meth:`Spares.claim`)."""
+    if spares is not None and spares.claim(tmp, like):
         try:
             return open(tmp, "r+b")
         except FileNotFoundError:  # retention of a removed store: start afresh
             pass
     return open(tmp, "w+b")  # readable too: receive() maps it
+
+
+class Mappings:
+    """Shared mappings of store files, kept open across writes: a file written again
+    (a spare claimed back) reuses the mapping it had.
+
+    Why: on this VM, mapping a 7 MB tmpfs file costs ~7 ms of kernel time (a page-table
+    entry per 4 KiB page, ``MAP_POPULATE`` or not), ``write`` as much; the copy into an
+    existing mapping ~1 ms. Every version rewrites the same spares (:class:`Spares` hands a
+    writer back the files of its own rank), so after the first versions each write is a copy.
+
+    Entries are keyed by inode. A mapping keeps its file's pages alive even once the file
+    is deleted, so an entry whose file has no name left is dropped at the next use, and at
+    most ``limit`` are kept (least recently used first out). Thread-safe; a mapping is used
+    by one writer at a time, because only the writer that claimed a file writes it."""
+
+    limit = 32
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: OrderedDict[tuple[int, int], tuple[int, mmap.mmap]] = OrderedDict()
+
+    def get(self, f, size: int) -> mmap.mmap:
+        """A shared mapping of at least the first ``size`` bytes of the open file ``f``."""
+        st = os.fstat(f.fileno())
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            self._prune()
+            got = self._maps.pop(key, None)
+            if got is not None and len(got[1]) >= size:
+                self._maps[key] = got
+                return got[1]
+            if got is not None:
+                self._close(got)
+        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        with self._lock:
+            self._maps[key] = (os.dup(f.fileno()), mm)
+            while len(self._maps) > self.limit:
+                self._close(self._maps.popitem(last=False)[1])
+        return mm
+
+    def _prune(self) -> None:
+        for key, entry in list(self._maps.items()):
+            try:
+                gone = os.fstat(entry[0]).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                self._close(self._maps.pop(key))
+
+    @staticmethod
+    def _close(entry: tuple[int, mmap.mmap]) -> None:
+        fd, mm = entry
+        try:
+            mm.close()
+        except BufferError:  # a view is still exported (a writer failing mid-copy): let GC have it
+            pass
+        os.close(fd)
+
+    def clear(self) -> None:
+        """Drop every mapping (the store is going away)."""
+        with self._lock:
+            while self._maps:
+                self._close(self._maps.popitem()[1])
+
+
+MAPPINGS = Mappings()
+
+
+@contextlib.contextmanager
+def mapped(f, size: int):
+    """A writable view of the first ``size`` bytes of the open file ``f``, through a shared
+    mapping (:data:`MAPPINGS`); afterwards ``f`` is positioned at ``size`` (where a
+    ``truncate()`` cuts a rewritten spare that was longer).
+
+    The space is reserved first (``posix_fallocate``) unless the file already holds every
+    page (a rewritten spare: the call alone cost ~3 ms per 7 MB here): a full tmpfs then
+    fails here with ENOSPC, never with a SIGBUS on a mapped page."""
+    f.truncate(size)
+    if size:
+        if os.fstat(f.fileno()).st_blocks * 512 < size:
+            os.posix_fallocate(f.fileno(), 0, size)
+        with memoryview(MAPPINGS.get(f, size)) as whole, whole[:size] as view:
+            yield view
+    else:
+        yield memoryview(b"")
+    f.seek(size)
+
+
+def write_mapped(f, pieces: Iterable[Any], size: int) -> None:
+    """Write ``pieces`` (bytes-like, exactly ``size`` bytes in all) at the start of ``f``
+    through :func:`mapped`; :class:`OSError` if they add up to another size."""
+    at = 0
+    with mapped(f, size) as whole:
+        for p in pieces:
+            with memoryview(p) as v, v.cast("B") as b:
+                if at + len(b) > size:
+                    raise OSError(f"{f.name}: pieces exceed the {size} bytes planned")
+                whole[at:at + len(b)] = b
+                at += len(b)
+    if at != size:
+        raise OSError(f"{f.name}: pieces add up to {at} bytes, {size} were planned")
 
 
 class AtomicWriter:
@@ -408,7 +520,7 @@ class AtomicWriter:
     def __init__(self, path: Path, spares: Spares | None = None):
         self.path = path
         self.tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        self.f = open_for_rewrite(self.tmp, spares if path.suffix == ".bin" else None)
+        self.f = open_for_rewrite(self.tmp, spares if path.suffix == ".bin" else None, path.name)
         self.crc = 0
         self.size = 0
 
@@ -421,24 +533,16 @@ class AtomicWriter:
         """Make the file ``size`` bytes and fill it in place, ``fill(view)`` per ``piece``
         bytes (a socket's ``recv_into``), checksumming each piece while it is in the cache.
 
-        Why a shared mapping: receiving into a buffer and then ``write`` copies every byte
-        twice; this lands them once (with the sender's CRC taken from the manifest, a 7 MB
-        push went from 13.9 to 8.7 ms of CPU for both ends: ``bench/push_cost.py``). The space is reserved first (``posix_fallocate``): a
-        full tmpfs then fails here with ENOSPC, never with a SIGBUS on a mapped page."""
-        self.f.truncate(size)
-        if size:
-            os.posix_fallocate(self.f.fileno(), 0, size)
-            mm = mmap.mmap(self.f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            try:
-                with memoryview(mm) as whole:
-                    for i in range(0, size, piece):
-                        with whole[i:i + piece] as view:
-                            fill(view)
-                            self.crc = crc(view, self.crc)
-                            self.size += len(view)
-            finally:
-                mm.close()
-        self.f.seek(size)  # where commit() truncates
+        Why a shared mapping (:func:`mapped`): receiving into a buffer and then ``write``
+        copies every byte twice; this lands them once (with the sender's CRC taken from the
+        manifest, a 7 MB push went from 13.9 to 8.7 ms of CPU for both ends:
+        ``bench/push_cost.py``)."""
+        with mapped(self.f, size) as whole:
+            for i in range(0, size, piece):
+                with whole[i:i + piece] as view:
+                    fill(view)
+                    self.crc = crc(view, self.crc)
+                    self.size += len(view)
 
     def commit(self, size: int, crc: int) -> None:
         self.f.truncate()  # a rewritten spare may have been longer

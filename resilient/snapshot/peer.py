@@ -48,7 +48,9 @@ from resilient.snapshot.priority import REPLICATION_NICE, background_priority
 log = logging.getLogger(__name__)
 
 MAX_HEADER = 64 << 10
-PIECE = 1 << 20
+# Bytes per send/receive call and rate-limit tick: 4 MiB pushes cost ~7% less CPU than
+# 1 MiB ones (bench/push_cost.py, 6 of 7 pairs side by side).
+PIECE = 4 << 20
 
 
 class PeerAuthError(SnapshotError):

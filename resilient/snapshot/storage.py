@@ -27,7 +27,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete, StorageError
-from resilient.snapshot.nodestore import OWNER, Spares, open_for_rewrite, readinto_at
+from resilient.snapshot.nodestore import OWNER, Spares, open_for_rewrite, readinto_at, write_mapped
 
 T = TypeVar("T")
 
@@ -103,16 +103,21 @@ def is_remote(fs: fsspec.AbstractFileSystem) -> bool:
     return not any(p in ("file", "local", "memory") for p in protos)
 
 
-def _write_local(path: str, pieces: Iterable[Any], spares: Spares | None = None) -> None:
+def _write_local(path: str, pieces: Iterable[Any], spares: Spares | None = None, size: int | None = None) -> None:
     """Temp file, fsync, rename, fsync the directory: the object is whole or absent, even after a power cut.
-    ``spares``: a node store's retired files, one of which is rewritten in place if left."""
+    ``spares``: a node store's retired files, one of which is rewritten in place if left;
+    there, with ``size`` known beforehand, the bytes go in through a mapping
+    (:func:`~resilient.snapshot.nodestore.write_mapped`: tmpfs ``write`` is ~7x its cost)."""
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with open_for_rewrite(Path(tmp), spares) as f:
-            for p in pieces:
-                f.write(p)
+        with open_for_rewrite(Path(tmp), spares, os.path.basename(path)) as f:
+            if spares is not None and size is not None:
+                write_mapped(f, pieces, size)
+            else:
+                for p in pieces:
+                    f.write(p)
             f.truncate()
             f.flush()
             os.fsync(f.fileno())
@@ -138,9 +143,10 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def write_object(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[Any],
                  size: int | Callable[[], int], spares: Spares | None = None) -> None:
     """Write the concatenation of ``pieces`` (bytes-like) to ``path`` atomically, then check
-    its size (``size`` may be a callable, for pieces produced while writing)."""
+    its size (``size`` may be a callable, for pieces produced while writing; an int, known
+    beforehand, lets a node store take the bytes through a mapping)."""
     if isinstance(fs, LocalFileSystem):
-        _write_local(fs._strip_protocol(path), pieces, spares)
+        _write_local(fs._strip_protocol(path), pieces, spares, size if isinstance(size, int) else None)
     else:
         with fs.open(path, "wb") as f:
             for p in pieces:

@@ -1,0 +1,82 @@
+"""etcd history compaction by the agents: a job that writes every step must not fill
+etcd's quota. Against a real etcd: history older than one interval is compacted, the
+current values stay, and a second compactor doing the same is harmless."""
+
+from __future__ import annotations
+
+import base64
+import time
+from datetime import timedelta
+
+import pytest
+
+from resilient.config import ConfigError, load_config
+from resilient.etcd.client import EtcdClient
+from resilient.etcd.compactor import HistoryCompactor
+
+
+def _read_at(client: EtcdClient, key: str, revision: int) -> dict:
+    """A range read at an old revision, straight through the gateway."""
+    return client._post("/kv/range", {"key": base64.b64encode(key.encode()).decode(), "revision": revision}, "read")
+
+
+def test_history_before_the_previous_round_is_compacted_and_values_stay(etcd):
+    with EtcdClient(etcd.endpoint) as client:
+        first = client.put("/resilient/test-compact/k", "v0")
+        for i in range(1, 20):
+            client.put("/resilient/test-compact/k", f"v{i}")
+        assert _read_at(client, "/resilient/test-compact/k", first)["kvs"]  # history is there
+        comp = HistoryCompactor.__new__(HistoryCompactor)  # the rounds by hand, no thread
+        comp.client, comp.compacted, comp._seen = client, None, None
+        comp.tick()                       # notes the current revision, compacts nothing yet
+        assert comp.compacted is None
+        seen = comp._seen
+        client.put("/resilient/test-compact/k", "last")
+        comp.tick()                       # compacts up to what the first round saw
+        assert comp.compacted == seen
+        with pytest.raises(Exception, match="compacted"):
+            _read_at(client, "/resilient/test-compact/k", first)
+        assert client.get("/resilient/test-compact/k").value == b"last"
+        assert client.compact(seen) is False  # again (another agent): refused, not an error
+
+
+def test_the_thread_compacts_every_interval(etcd):
+    with EtcdClient(etcd.endpoint) as client:
+        first = client.put("/resilient/test-compact/t", "a")
+        client.put("/resilient/test-compact/t", "b")
+        comp = HistoryCompactor(client, timedelta(milliseconds=100))
+        try:
+            deadline = time.monotonic() + 10
+            while comp.compacted is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                client.put("/resilient/test-compact/t", "c")
+            assert comp.compacted is not None and comp.compacted > first
+        finally:
+            comp.close()
+        assert client.get("/resilient/test-compact/t").value == b"c"
+
+
+def test_the_interval_knob(tmp_path):
+    assert load_config(None, ["launch.etcd_compact_interval=0"]).launch.etcd_compact_interval == 0
+    with pytest.raises(ConfigError, match="etcd_compact_interval"):
+        load_config(None, ["launch.etcd_compact_interval=-1"]).validate_layout(1)  # as launch checks it
+    with pytest.raises(ValueError):
+        HistoryCompactor(None, timedelta(0))
+
+
+def test_a_full_etcd_is_a_typed_error_and_compaction_keeps_it_from_filling():
+    from resilient.etcd.api import EtcdFull
+    from resilient.etcd.testing import embedded_etcd
+
+    value = "x" * 60_000
+    with embedded_etcd(extra_args=["--quota-backend-bytes=2097152"]) as server, \
+            EtcdClient(server.endpoint) as client:
+        comp = HistoryCompactor.__new__(HistoryCompactor)  # rounds by hand, no thread
+        comp.client, comp.compacted, comp._seen = client, None, None
+        for i in range(200):  # 12 MB of writes into a 2 MB quota: fine while compacted
+            client.put(f"/resilient/test-full/k{i % 4}", value)
+            if i % 5 == 4:
+                comp.tick()
+        with pytest.raises(EtcdFull, match="etcdctl defrag"):
+            for i in range(200):  # the same writes, not compacted: the quota fills
+                client.put(f"/resilient/test-full/k{i % 4}", value)
