@@ -80,3 +80,22 @@ def test_a_full_etcd_is_a_typed_error_and_compaction_keeps_it_from_filling():
         with pytest.raises(EtcdFull, match="etcdctl defrag"):
             for i in range(200):  # the same writes, not compacted: the quota fills
                 client.put(f"/resilient/test-full/k{i % 4}", value)
+
+
+def test_a_new_cluster_with_fewer_revisions_starts_the_count_over(etcd):
+    from resilient.etcd.testing import embedded_etcd
+
+    with EtcdClient(etcd.endpoint) as old:
+        for i in range(30):
+            old.put("/resilient/test-compact/n", str(i))
+        comp = HistoryCompactor.__new__(HistoryCompactor)
+        comp.client, comp.compacted, comp._seen = old, None, None
+        comp.tick()
+        comp.tick()
+    with embedded_etcd() as fresh, EtcdClient(fresh.endpoint) as client:  # etcd lost its data
+        comp.client = client
+        comp.tick()  # the revision went backwards: no compaction to a future revision
+        assert comp.compacted is None and comp._seen == client.revision()
+        client.put("/resilient/test-compact/n", "x")
+        comp.tick()
+        assert comp.compacted is not None

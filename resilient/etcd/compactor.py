@@ -45,6 +45,8 @@ class HistoryCompactor:
     def tick(self) -> None:
         """One round: compact to the revision seen the round before, then note the current one."""
         now = self.client.revision()
+        if self._seen is not None and self._seen > now:  # a new cluster (its data lost): start over
+            self._seen, self.compacted = None, None
         if self._seen is not None and self._seen > (self.compacted or 0):
             if self.client.compact(self._seen):
                 log.info("compacted etcd history before revision %d", self._seen)
