@@ -26,8 +26,7 @@ def test_history_before_the_previous_round_is_compacted_and_values_stay(etcd):
         for i in range(1, 20):
             client.put("/resilient/test-compact/k", f"v{i}")
         assert _read_at(client, "/resilient/test-compact/k", first)["kvs"]  # history is there
-        comp = HistoryCompactor.__new__(HistoryCompactor)  # the rounds by hand, no thread
-        comp.client, comp.compacted, comp._seen = client, None, None
+        comp = HistoryCompactor(client, timedelta(minutes=5), start=False)  # the rounds by hand
         comp.tick()                       # notes the current revision, compacts nothing yet
         assert comp.compacted is None
         seen = comp._seen
@@ -71,8 +70,7 @@ def test_a_full_etcd_is_a_typed_error_and_compaction_keeps_it_from_filling():
     value = "x" * 60_000
     with embedded_etcd(extra_args=["--quota-backend-bytes=2097152"]) as server, \
             EtcdClient(server.endpoint) as client:
-        comp = HistoryCompactor.__new__(HistoryCompactor)  # rounds by hand, no thread
-        comp.client, comp.compacted, comp._seen = client, None, None
+        comp = HistoryCompactor(client, timedelta(minutes=5), start=False)  # rounds by hand
         for i in range(200):  # 12 MB of writes into a 2 MB quota: fine while compacted
             client.put(f"/resilient/test-full/k{i % 4}", value)
             if i % 5 == 4:
@@ -88,8 +86,7 @@ def test_a_new_cluster_with_fewer_revisions_starts_the_count_over(etcd):
     with EtcdClient(etcd.endpoint) as old:
         for i in range(30):
             old.put("/resilient/test-compact/n", str(i))
-        comp = HistoryCompactor.__new__(HistoryCompactor)
-        comp.client, comp.compacted, comp._seen = old, None, None
+        comp = HistoryCompactor(old, timedelta(minutes=5), start=False)
         comp.tick()
         comp.tick()
     with embedded_etcd() as fresh, EtcdClient(fresh.endpoint) as client:  # etcd lost its data
@@ -99,3 +96,21 @@ def test_a_new_cluster_with_fewer_revisions_starts_the_count_over(etcd):
         client.put("/resilient/test-compact/n", "x")
         comp.tick()
         assert comp.compacted is not None
+
+
+def test_failing_rounds_warn_once_and_the_thread_goes_on(caplog):
+    from resilient.etcd.server import free_port
+
+    client = EtcdClient(f"127.0.0.1:{free_port()}", retry_timeout=timedelta(milliseconds=50))  # nothing listens
+    caplog.set_level("DEBUG", logger="resilient.etcd.compactor")
+    comp = HistoryCompactor(client, timedelta(milliseconds=50))
+    try:
+        deadline = time.monotonic() + 10
+        while len([r for r in caplog.records if "skipped" in r.getMessage()]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert comp._thread.is_alive()
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "could not compact" in warnings[0].getMessage()
+    finally:
+        comp.close()
+        client.close()

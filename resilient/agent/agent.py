@@ -102,14 +102,15 @@ class ResilientAgent(SimpleElasticAgent):
                 self.pool.close()
                 shutil.rmtree(self._tmp, ignore_errors=True)
                 raise
-        self.compactor = None
-        if registry is not None and settings.etcd_compact_interval > timedelta(0):
-            self.compactor = HistoryCompactor(registry.client, settings.etcd_compact_interval)
         if registry is not None:
             info = {"store": self.store.server.address} if self.store is not None else {}
             if hasattr(spec.rdzv_handler, "node_desc"):
                 info["rdzv"] = spec.rdzv_handler.node_desc
             registry.update(**info)
+        self.compactor = None  # started last: a failed start leaves no thread behind
+        if registry is not None and settings.etcd_compact_interval > timedelta(0):
+            self.compactor = HistoryCompactor(registry.client, settings.etcd_compact_interval,
+                                              key=f"/resilient/{settings.run_id}/")
 
     # -- the loop ---------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:

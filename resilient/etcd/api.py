@@ -82,8 +82,8 @@ class EtcdFull(EtcdError, OSError):
             "2 GiB by default; the NOSPACE alarm is raised) and it refuses every write. Free it: "
             "`etcdctl compact REV` with REV the revision `etcdctl endpoint status -w json` shows, then "
             "`etcdctl defrag` and `etcdctl alarm disarm`. resilient agents compact etcd's history every "
-            "launch.etcd_compact_interval: seeing this means that was 0 or the quota is too small for "
-            "this job (raise it with --quota-backend-bytes)."
+            "launch.etcd_compact_interval: seeing this means that was 0, they could not (their log says "
+            "why), or the quota is too small for this job (raise it with --quota-backend-bytes)."
         )
 
 

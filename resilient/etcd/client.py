@@ -324,9 +324,10 @@ class EtcdClient:
         """Delete every key under ``prefix``; returns how many were deleted."""
         return int(self._post("/kv/deleterange", _range(prefix), f"delete prefix {prefix!r}").get("deleted", 0))
 
-    def revision(self) -> int:
-        """The cluster's current revision (one count-only read)."""
-        resp = self._post("/kv/range", {"key": _b64("/resilient/"), "count_only": True}, "revision")
+    def revision(self, key: bytes | str = "/resilient/") -> int:
+        """The cluster's current revision (one count-only read of ``key``, which the user
+        must be allowed to read)."""
+        resp = self._post("/kv/range", {"key": _b64(key), "count_only": True}, "revision")
         return int(resp["header"]["revision"])
 
     def compact(self, revision: int) -> bool:

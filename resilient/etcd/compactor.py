@@ -24,27 +24,31 @@ import logging
 import threading
 from datetime import timedelta
 
-from resilient.etcd.api import EtcdError
+from resilient.etcd.api import EtcdAuthError
 
 log = logging.getLogger(__name__)
 
 
 class HistoryCompactor:
-    """A daemon thread compacting ``client``'s cluster every ``interval`` (see the module docstring)."""
+    """A daemon thread compacting ``client``'s cluster every ``interval`` (see the module
+    docstring). ``key``: one the job may read (the revision comes with any read).
+    ``start=False``: no thread; the caller runs the rounds (:meth:`tick`)."""
 
-    def __init__(self, client, interval: timedelta):
+    def __init__(self, client, interval: timedelta, key: str = "/resilient/", start: bool = True):
         if interval <= timedelta(0):
             raise ValueError(f"compaction interval must be positive, got {interval}")
-        self.client, self.interval = client, interval
+        self.client, self.interval, self.key = client, interval, key
         self.compacted: int | None = None  # the newest revision this compactor compacted to
         self._seen: int | None = None
+        self._warned: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="etcd-compactor", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     def tick(self) -> None:
         """One round: compact to the revision seen the round before, then note the current one."""
-        now = self.client.revision()
+        now = self.client.revision(self.key)
         if self._seen is not None and self._seen > now:  # a new cluster (its data lost): start over
             self._seen, self.compacted = None, None
         if self._seen is not None and self._seen > (self.compacted or 0):
@@ -57,9 +61,18 @@ class HistoryCompactor:
         while not self._stop.wait(self.interval.total_seconds()):
             try:
                 self.tick()
-            except EtcdError as e:  # etcd away for a while: the next round tries again
-                log.debug("etcd compaction skipped: %s", e)
+            except Exception as e:  # etcd away for a while: the next round tries again
+                kind = type(e).__name__
+                if kind in self._warned:
+                    log.debug("etcd compaction skipped: %s", e)
+                    continue
+                self._warned.add(kind)  # once per kind: an etcd that is down says so elsewhere
+                hint = (" (this etcd user may not compact: have its operators compact it or run etcd with "
+                        "--auto-compaction-retention, and set launch.etcd_compact_interval=0)"
+                        if isinstance(e, EtcdAuthError) else "")
+                log.warning("could not compact etcd's history, retrying every %s: %s%s", self.interval, e, hint)
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

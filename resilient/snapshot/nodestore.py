@@ -419,27 +419,32 @@ class Mappings:
     existing mapping ~1 ms. Every version rewrites the same spares (:class:`Spares` hands a
     writer back the files of its own rank), so after the first versions each write is a copy.
 
-    Entries are keyed by inode. A mapping keeps its file's pages alive even once the file
-    is deleted, so an entry whose file has no name left is dropped at the next use, and at
-    most ``limit`` are kept (least recently used first out). Thread-safe; a mapping is used
-    by one writer at a time, because only the writer that claimed a file writes it."""
+    Entries are keyed by inode. A mapping of a live file costs no memory of its own (the
+    pages are the file's), but it keeps a deleted file's pages alive: entries whose file has
+    no name left are dropped (:meth:`prune`) before every write's space is reserved, so the
+    space a process holds this way is freed before it could make that write fail. At most
+    ``limit`` are kept, least recently used out first: a node's writers cycle through about
+    (ranks' parts) x (versions kept + 2) files. Thread-safe; a mapping is written by one
+    writer at a time (only the writer that claimed a file writes it), and :meth:`view`
+    exports it under the lock, so a concurrent :meth:`prune` or :meth:`clear` cannot close
+    it under the writer (closing a mapping with an exported view fails, and is left to GC)."""
 
-    limit = 32
+    limit = 256
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: OrderedDict[tuple[int, int], tuple[int, mmap.mmap]] = OrderedDict()
 
-    def get(self, f, size: int) -> mmap.mmap:
-        """A shared mapping of at least the first ``size`` bytes of the open file ``f``."""
+    def view(self, f, size: int) -> memoryview:
+        """A writable view of a shared mapping of at least the first ``size`` bytes of the
+        open file ``f`` (release it when done)."""
         st = os.fstat(f.fileno())
         key = (st.st_dev, st.st_ino)
         with self._lock:
-            self._prune()
             got = self._maps.pop(key, None)
             if got is not None and len(got[1]) >= size:
                 self._maps[key] = got
-                return got[1]
+                return memoryview(got[1])
             if got is not None:
                 self._close(got)
         mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -447,23 +452,25 @@ class Mappings:
             self._maps[key] = (os.dup(f.fileno()), mm)
             while len(self._maps) > self.limit:
                 self._close(self._maps.popitem(last=False)[1])
-        return mm
+            return memoryview(mm)
 
-    def _prune(self) -> None:
-        for key, entry in list(self._maps.items()):
-            try:
-                gone = os.fstat(entry[0]).st_nlink == 0
-            except OSError:
-                gone = True
-            if gone:
-                self._close(self._maps.pop(key))
+    def prune(self) -> None:
+        """Drop the mappings of files that were deleted."""
+        with self._lock:
+            for key, entry in list(self._maps.items()):
+                try:
+                    gone = os.fstat(entry[0]).st_nlink == 0
+                except OSError:
+                    gone = True
+                if gone:
+                    self._close(self._maps.pop(key))
 
     @staticmethod
     def _close(entry: tuple[int, mmap.mmap]) -> None:
         fd, mm = entry
         try:
             mm.close()
-        except BufferError:  # a view is still exported (a writer failing mid-copy): let GC have it
+        except BufferError:  # a view is still exported (a writer mid-copy): GC closes it after
             pass
         os.close(fd)
 
@@ -486,11 +493,12 @@ def mapped(f, size: int):
     The space is reserved first (``posix_fallocate``) unless the file already holds every
     page (a rewritten spare: the call alone cost ~3 ms per 7 MB here): a full tmpfs then
     fails here with ENOSPC, never with a SIGBUS on a mapped page."""
+    MAPPINGS.prune()  # before reserving: deleted files' pages this process holds are space
     f.truncate(size)
     if size:
         if os.fstat(f.fileno()).st_blocks * 512 < size:
             os.posix_fallocate(f.fileno(), 0, size)
-        with memoryview(MAPPINGS.get(f, size)) as whole, whole[:size] as view:
+        with MAPPINGS.view(f, size) as whole, whole[:size] as view:
             yield view
     else:
         yield memoryview(b"")
