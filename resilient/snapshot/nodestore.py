@@ -35,6 +35,7 @@ import re
 import shutil
 import socket
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -421,8 +422,9 @@ class Mappings:
 
     Entries are keyed by inode. A mapping of a live file costs no memory of its own (the
     pages are the file's), but it keeps a deleted file's pages alive: entries whose file has
-    no name left are dropped (:meth:`prune`) before every write's space is reserved, so the
-    space a process holds this way is freed before it could make that write fail. At most
+    no name left are dropped (:meth:`prune`) before any write reserves space, so the space a
+    process holds this way is freed before it could make that write fail, and otherwise at
+    most every ``prune_every`` (a check is an ``fstat`` per entry, on every write). At most
     ``limit`` are kept, least recently used out first: a node's writers cycle through about
     (ranks' parts) x (versions kept + 2) files. Thread-safe; a mapping is written by one
     writer at a time (only the writer that claimed a file writes it), and :meth:`view`
@@ -430,10 +432,12 @@ class Mappings:
     it under the writer (closing a mapping with an exported view fails, and is left to GC)."""
 
     limit = 256
+    prune_every = timedelta(seconds=1)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: OrderedDict[tuple[int, int], tuple[int, mmap.mmap]] = OrderedDict()
+        self._pruned = 0.0
 
     def view(self, f, size: int) -> memoryview:
         """A writable view of a shared mapping of at least the first ``size`` bytes of the
@@ -454,9 +458,14 @@ class Mappings:
                 self._close(self._maps.popitem(last=False)[1])
             return memoryview(mm)
 
-    def prune(self) -> None:
-        """Drop the mappings of files that were deleted."""
+    def prune(self, force: bool = True) -> None:
+        """Drop the mappings of files that were deleted (unless ``force``, only if the last
+        look is ``prune_every`` old)."""
         with self._lock:
+            now = time.monotonic()
+            if not force and now - self._pruned < self.prune_every.total_seconds():
+                return
+            self._pruned = now
             for key, entry in list(self._maps.items()):
                 try:
                     gone = os.fstat(entry[0]).st_nlink == 0
@@ -493,10 +502,11 @@ def mapped(f, size: int):
     The space is reserved first (``posix_fallocate``) unless the file already holds every
     page (a rewritten spare: the call alone cost ~3 ms per 7 MB here): a full tmpfs then
     fails here with ENOSPC, never with a SIGBUS on a mapped page."""
-    MAPPINGS.prune()  # before reserving: deleted files' pages this process holds are space
     f.truncate(size)
+    reserve = size > 0 and os.fstat(f.fileno()).st_blocks * 512 < size
+    MAPPINGS.prune(force=reserve)  # before reserving: deleted files' pages this process holds are space
     if size:
-        if os.fstat(f.fileno()).st_blocks * 512 < size:
+        if reserve:
             os.posix_fallocate(f.fileno(), 0, size)
         with MAPPINGS.view(f, size) as whole, whole[:size] as view:
             yield view
