@@ -67,16 +67,18 @@ def test_a_full_etcd_is_a_typed_error_and_compaction_keeps_it_from_filling():
     from resilient.etcd.api import EtcdFull
     from resilient.etcd.testing import embedded_etcd
 
-    value = "x" * 60_000
-    with embedded_etcd(extra_args=["--quota-backend-bytes=2097152"]) as server, \
+    # Rounds of 150 KB against an 8 MB quota: compacted, the history kept (up to two rounds)
+    # is far below it, whatever etcd's lag in reusing freed pages on a loaded host.
+    value = "x" * 30_000
+    with embedded_etcd(extra_args=[f"--quota-backend-bytes={8 << 20}"]) as server, \
             EtcdClient(server.endpoint) as client:
         comp = HistoryCompactor(client, timedelta(minutes=5), start=False)  # rounds by hand
-        for i in range(200):  # 12 MB of writes into a 2 MB quota: fine while compacted
+        for i in range(500):  # 15 MB of writes into an 8 MB quota: fine while compacted
             client.put(f"/resilient/test-full/k{i % 4}", value)
             if i % 5 == 4:
                 comp.tick()
         with pytest.raises(EtcdFull, match="etcdctl defrag"):
-            for i in range(200):  # the same writes, not compacted: the quota fills
+            for i in range(500):  # the same writes, not compacted: the quota fills
                 client.put(f"/resilient/test-full/k{i % 4}", value)
 
 
