@@ -23,12 +23,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.configbase import explain, knob, load_section, read_toml, section_to_dict
 from resilient.errors import ConfigError
+from resilient.runconfig import LaunchConfig, apply_overrides
 from resilient.sdc.api import SdcConfig
 from resilient.snapshot.config import SnapshotConfig
 
@@ -122,27 +122,6 @@ class DataConfig:
     source: str = knob("", "when the corpus is missing, build it from this text: 'python-stdlib' (ships with Python) or a path to text files")
     val_fraction: float = knob(0.05, "share of the tokens held out for the validation loss")
     max_bytes: int = knob(0, "cap on the text read when building the corpus; 0 = all")
-
-
-@dataclass
-class LaunchConfig:
-    """How ``resilient launch`` runs the job: processes, nodes, supervision.
-
-    Durations are in seconds here; the agent turns them into timedeltas."""
-
-    nproc_per_node: int = knob(0, "worker processes on this node; 0 = the whole layout on one node (pp·dp·tp, with dp = 1 when automatic)")
-    nnodes: str = knob("1", "nodes in the job: N, or MIN:MAX for an elastic job that shrinks and grows between them", coerce=(int,))
-    max_restarts: int = knob(100, "worker-group failures tolerated before the job fails (a lost node does not count)")
-    spares: int = knob(-1, "warm worker processes (torch imported, waiting) kept ready to replace failed ones; -1 = nproc_per_node, 0 = cold restarts")
-    monitor_interval: float = knob(0.1, "seconds between checks of the workers' exit codes and heartbeats")
-    heartbeat_timeout: float = knob(30.0, "a worker silent this long after its first step is hung (SIGSTOP, deadlock) and is killed")
-    startup_timeout: float = knob(300.0, "a worker gets this long from start to its first heartbeat (imports, model build, restore)")
-    node_lease_ttl: float = knob(3.0, "a node whose etcd liveness lease is not refreshed for this long is lost")
-    last_call_timeout: float = knob(1.0, "with MIN:MAX nodes, how long a round waits for more nodes once MIN are in (torch's default is 30)")
-    keep_alive_interval: float = knob(1.0, "rendezvous keep-alive period; a node missing 3 of them is dropped from the round")
-    join_timeout: float = knob(600.0, "how long a node waits for a rendezvous round to complete")
-    preemption_grace: float = knob(20.0, "after SIGTERM, how long workers get to finish the step and save before SIGKILL")
-    etcd_compact_interval: float = knob(300.0, "seconds between compactions of etcd's history by each agent (a job that snapshots every step writes etcd records every step, ~0.5 GB of etcd database a day on the demo, and a full etcd refuses every write); 0 = never, for an etcd whose operators compact it")
 
 
 @dataclass
@@ -280,30 +259,6 @@ class Config:
                 f"{src}: 'parallel.stages_per_rank' > 1 needs pp_schedule "
                 f"{' or '.join(map(repr, MULTI_STAGE_SCHEDULES))}"
             )
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.steps=100")
-    key, raw = item.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word: a string
-    return key.strip().split("."), value
-
-
-def apply_overrides(table: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b=v`` overrides to a raw TOML table (before validation)."""
-    for item in overrides or []:
-        path, value = _parse_override(item)
-        node = table
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: '{part}' is not a table")
-        node[path[-1]] = value
-    return table
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:

@@ -1,0 +1,128 @@
+"""The runtime's own knobs: ``[snapshot]``, ``[sdc]`` and ``[launch]``.
+
+These are the sections every job has, whatever it trains: the built-in GPT's
+run config (:mod:`resilient.config`) holds them next to its model and data
+sections, and a user's script launched with ``resilient launch SCRIPT`` takes
+them from ``--config FILE.toml`` (holding only these sections) and ``--set``.
+The launcher resolves them once and hands them to the workers as JSON
+(``RESILIENT_RUNTIME_CONFIG``); :mod:`resilient.job` reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.configbase import knob, load_section, read_toml, section_to_dict
+from resilient.errors import ConfigError
+from resilient.sdc.api import SdcConfig
+from resilient.snapshot.config import SnapshotConfig
+
+# The sections a runtime config may hold; any other (model, train, ...) belongs to a
+# trainer's own config.
+RUNTIME_SECTIONS = ("snapshot", "sdc", "launch")
+# Where the launcher tells a worker its resolved runtime config (JSON).
+RUNTIME_CONFIG_ENV = "RESILIENT_RUNTIME_CONFIG"
+
+
+@dataclass
+class LaunchConfig:
+    """How ``resilient launch`` runs the job: processes, nodes, supervision.
+
+    Durations are in seconds here; the agent turns them into timedeltas."""
+
+    nproc_per_node: int = knob(0, "worker processes on this node; 0 = the whole layout on one node (pp·dp·tp, with dp = 1 when automatic)")
+    nnodes: str = knob("1", "nodes in the job: N, or MIN:MAX for an elastic job that shrinks and grows between them", coerce=(int,))
+    max_restarts: int = knob(100, "worker-group failures tolerated before the job fails (a lost node does not count)")
+    spares: int = knob(-1, "warm worker processes (torch imported, waiting) kept ready to replace failed ones; -1 = nproc_per_node, 0 = cold restarts")
+    monitor_interval: float = knob(0.1, "seconds between checks of the workers' exit codes and heartbeats")
+    heartbeat_timeout: float = knob(30.0, "a worker silent this long after its first step is hung (SIGSTOP, deadlock) and is killed")
+    startup_timeout: float = knob(300.0, "a worker gets this long from start to its first heartbeat (imports, model build, restore)")
+    node_lease_ttl: float = knob(3.0, "a node whose etcd liveness lease is not refreshed for this long is lost")
+    last_call_timeout: float = knob(1.0, "with MIN:MAX nodes, how long a round waits for more nodes once MIN are in (torch's default is 30)")
+    keep_alive_interval: float = knob(1.0, "rendezvous keep-alive period; a node missing 3 of them is dropped from the round")
+    join_timeout: float = knob(600.0, "how long a node waits for a rendezvous round to complete")
+    preemption_grace: float = knob(20.0, "after SIGTERM, how long workers get to finish the step and save before SIGKILL")
+    etcd_compact_interval: float = knob(300.0, "seconds between compactions of etcd's history by each agent (a job that snapshots every step writes etcd records every step, ~0.5 GB of etcd database a day on the demo, and a full etcd refuses every write); 0 = never, for an etcd whose operators compact it")
+
+
+@dataclass
+class RuntimeConfig:
+    """The runtime sections alone: what ``resilient launch SCRIPT --config`` reads."""
+
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    sdc: SdcConfig = field(default_factory=SdcConfig)
+    source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        d = section_to_dict(self)
+        d.pop("source")
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.steps=100")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word: a string
+    return key.strip().split("."), value
+
+
+def apply_overrides(table: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b=v`` overrides to a raw TOML table (before validation)."""
+    for item in overrides or []:
+        path, value = _parse_override(item)
+        node = table
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: '{part}' is not a table")
+        node[path[-1]] = value
+    return table
+
+
+def runtime_config_from_dict(table: dict, source: str = "<dict>") -> RuntimeConfig:
+    """A :class:`RuntimeConfig` from a table; a section that belongs to a trainer's config
+    (``[model]``, ``[train]``, ...) is a :class:`ConfigError` that says where it goes."""
+    other = sorted(k for k in table if k not in RUNTIME_SECTIONS)
+    if other:
+        raise ConfigError(
+            f"{source}: [{'], ['.join(other)}] is not a runtime section; a runtime config (--config with a "
+            f"script) holds only [{'], ['.join(RUNTIME_SECTIONS)}]. A built-in GPT run config is launched "
+            "on its own: resilient launch CONFIG.toml")
+    cfg = load_section(RuntimeConfig, table, "", source)
+    cfg.source = source
+    return cfg
+
+
+def load_runtime_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RuntimeConfig:
+    """Read a runtime config (TOML; None = defaults), apply ``--set`` overrides."""
+    source = str(path) if path else "<defaults>"
+    table: dict = {}
+    if path:
+        try:
+            table = read_toml(path, "runtime config")
+        except FileNotFoundError:
+            raise ConfigError(f"runtime config {source} does not exist") from None
+    apply_overrides(table, overrides or [])
+    return runtime_config_from_dict(table, source)
+
+
+def runtime_config_from_env() -> RuntimeConfig | None:
+    """The runtime config the launcher resolved for this worker, or None outside
+    ``resilient launch`` (env :data:`RUNTIME_CONFIG_ENV` unset)."""
+    path = os.environ.get(RUNTIME_CONFIG_ENV)
+    if not path:
+        return None
+    with open(path) as f:
+        return runtime_config_from_dict(json.load(f), source=path)
