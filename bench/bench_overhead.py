@@ -245,7 +245,7 @@ def run(quick: bool) -> dict:
              "CPU ms per step, median over cycles, both nodes together (/proc user + system; workers = every "
              "process under an agent): " + "; ".join(cpu_notes) + ".",
              "Modes switched by a benchmark-only hook (bench/overhead_hook/sitecustomize.py) around "
-             "TrainState.after_step and Trainer.train_step; the production code is unchanged.",
+             "StateKeeper.after_step and Trainer.train_step; the production code is unchanged.",
              "Loads before/after: " + "; ".join(loads) + ".",
              f"Command (RUN = a temp dir; per node, etcd on loopback; env {ENV}={spec} and "
              f"PYTHONPATH=bench/overhead_hook): `{cmd}`"]

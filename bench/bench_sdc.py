@@ -70,14 +70,14 @@ class Loop:
         from resilient.parallel import build_layout, build_model
         from resilient.sdc.api import SdcConfig
         from resilient.sdc.monitor import SdcMonitor
-        from resilient.train_state import init_optimizer_state
+        from resilient.job import ModelState
 
         over = {**sets, "train.steps": steps, "data.path": corpus, "data.source": ""}
         self.cfg = load_config(DEMO, [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in over.items()])
         self.layout = build_layout(self.cfg, "cpu")
         self.model = build_model(self.cfg, self.layout, torch.device("cpu"), torch.float32)
         self.opt = Optimizers(self.model.parts, self.cfg.train)
-        init_optimizer_state(self.model, self.opt)   # as the trainer does (packs Adam's state)
+        ModelState(self.model.parts, self.opt.optimizers).materialize()   # as the Job does (packs Adam's state)
         self.corpus = TokenCorpus(corpus, self.cfg.train.seq_len, self.cfg.train.seed, self.cfg.data.val_fraction)
         self.mon = SdcMonitor(SdcConfig(**(sdc_kw or {})), device="cpu") if sdc else None
         if self.mon is not None:

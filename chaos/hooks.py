@@ -1,18 +1,20 @@
 """The worker's end of the chaos control channel: bit flips on request.
 
-Why through the trainer's own flip list: ``resilient/train.py`` already
-applies :class:`~resilient.sdc.inject.BitFlipInjector` s from
-``Trainer.flips`` at the points where a flip means something (gradients
-after backward, parameters and optimizer state after the optimizer step).
-A chaos request only has to *add* an injector to that list; the trainer
-fires it at its next hook point. So the harness needs no second set of hook
+Why through the job's own flip list: a worker's :class:`resilient.Job`
+(the built-in trainer's and any user script's) already applies
+:class:`~resilient.sdc.inject.BitFlipInjector` s from ``Job.flips`` at the
+points where a flip means something (gradients after backward, parameters and
+optimizer state after the optimizer step). A chaos request only has to *add*
+an injector to that list; the job fires it at its next hook point. So the harness needs no second set of hook
 points, and a campaign's flips are exactly the flips a ``[sdc] inject``
 config makes.
 
 Enabled only when the chaos runner started the job: it sets
-``RESILIENT_CHAOS_CONTROL`` to the control directory, and
-:meth:`WorkerHooks.attach` returns None otherwise (a normal run starts no
-thread and reads no directory).
+``RESILIENT_CHAOS_CONTROL`` to the control directory and names
+:meth:`WorkerHooks.attach` in ``RESILIENT_WORKER_HOOKS``, the Job's public
+extension point (the runtime never imports this package);
+:meth:`WorkerHooks.attach` returns None without a control directory (a
+normal run starts no thread and reads no directory).
 
 A request (``{"kind": "bitflip", "params": {rank, target, tensor, bit,
 element, persistent, state_key}}``, see :class:`~.scenario.BitflipParams`) is
@@ -60,9 +62,9 @@ def _next_step_injector(spec: Any, rank: int, log: Callable[[dict], None]) -> An
 
 class WorkerHooks:
     """Polls the control directory (a daemon thread) and turns this rank's
-    bit-flip requests into injectors on ``flips``, the trainer's list.
+    bit-flip requests into injectors on ``flips``, the job's list.
 
-    ``model`` has ``named_parameters()``; ``step_of()`` returns the trainer's
+    ``model`` has ``named_parameters()``; ``step_of()`` returns the job's
     completed steps (the flip goes into the next one).
     """
 
@@ -74,13 +76,13 @@ class WorkerHooks:
                                       or int(r.get("params", {}).get("rank", -1)) == self.rank)
 
     @classmethod
-    def attach(cls, trainer: Any) -> "WorkerHooks | None":
-        """For ``Trainer.__init__``: start the watcher when the chaos runner
-        launched this job; None otherwise."""
+    def attach(cls, job: Any) -> "WorkerHooks | None":
+        """Called by ``Job.__init__`` (``RESILIENT_WORKER_HOOKS``) with the job: start the
+        watcher when the chaos runner launched this job; None otherwise."""
         path = os.environ.get(CONTROL_ENV)
         if not path:
             return None
-        hooks = cls(path, trainer.events, trainer.rank, trainer.model, trainer.flips, lambda: trainer.step)
+        hooks = cls(path, job.events, job.rank, job.model, job.flips, lambda: job.step)
         hooks.watcher.start()
         return hooks
 

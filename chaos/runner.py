@@ -47,6 +47,8 @@ from .scenario import MAX_SECONDS, PlannedFault, Scenario, load_scenario
 from .timeline import episodes, load_timeline
 
 CONTROL_ENV = "RESILIENT_CHAOS_CONTROL"
+HOOKS_ENV = "RESILIENT_WORKER_HOOKS"   # resilient.job.api.HOOKS_ENV
+WORKER_HOOKS = "resilient_chaos.hooks:WorkerHooks.attach"
 
 
 def resolve_config(sc: Scenario) -> Path:
@@ -106,7 +108,8 @@ def _run_job(sc: Scenario, run_dir: Path, overrides: list[str], *, spares: int, 
                 p = infra.proxy(name, (upstream.host, upstream.client_port), host=host)
                 endpoints = [f"{p.address[0]}:{p.address[1]}", *endpoints[1:]]
             proxies = infra.proxies
-        env = {CONTROL_ENV: str(infra.control_dir)} if infra is not None else {}
+        # The workers' Job loads the hooks through its public extension point (RESILIENT_WORKER_HOOKS).
+        env = {CONTROL_ENV: str(infra.control_dir), HOOKS_ENV: WORKER_HOOKS} if infra is not None else {}
         job = LocalJob(sc, run_dir, resolve_config(sc), overrides, ",".join(endpoints), spares=spares,
                        netlab=infra.netlab if infra else None, proxies=proxies,
                        durable_path=infra.durable_path if infra else None,

@@ -3,6 +3,7 @@
 Subpackages, each with an ``api.py`` of abstract types and typed errors where
 it has a contract with the others:
 
+- :mod:`resilient.job`        the public API: ``resilient.Job`` gives any training loop every tier and check
 - :mod:`resilient.config`     run configs (TOML → typed dataclasses)
 - :mod:`resilient.data`       token corpora (memmap) addressed by global sample index
 - :mod:`resilient.model`      the GPT (RMSNorm, RoPE, SwiGLU, SDPA)
@@ -13,3 +14,14 @@ it has a contract with the others:
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["Job"]
+
+
+def __getattr__(name: str):
+    # ``resilient.Job`` without importing torch for every ``import resilient`` (the CLI's start).
+    if name == "Job":
+        from resilient.job import Job
+
+        return Job
+    raise AttributeError(f"module 'resilient' has no attribute {name!r}")

@@ -31,7 +31,7 @@ EVENTS = frozenset({
     "agent_start", "agent_stop", "rendezvous", "workers_started", "failure",
     "heartbeat_timeout", "evicted", "preemption", "scale", "membership",
     # silent data corruption
-    "sdc_suspect", "sdc_replay", "sdc_verdict", "sdc_probe", "quarantine", "rollback",
+    "sdc_suspect", "sdc_replay", "sdc_verdict", "sdc_probe", "sdc_coverage", "quarantine", "rollback",
     # chaos
     "fault_injected", "fault_cleared",
 })

@@ -45,15 +45,16 @@ def train(rank, world, overrides, run_dir):
     import signal
 
     from resilient.config import load_config
-    from resilient.train import Trainer, param_digest
+    from resilient.job import param_digest
+    from resilient.train import Trainer
 
     cfg = load_config(REPO / "configs" / "demo.toml", overrides)
     trainer = Trainer(cfg, run_dir, node="pool")
     try:
         assert trainer.layout.as_dict() == {"pp": 2, "dp": 2, "tp": 1, "world": 4}
-        assert trainer.sdc is not None, "SDC is off with pp > 1"
+        assert trainer.job.sdc is not None, "SDC is off with pp > 1"
         trainer.run()
-        return param_digest(trainer.model)
+        return param_digest(trainer.model.named_parameters())
     finally:
         trainer.close()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)   # the Trainer's handler would outlive it

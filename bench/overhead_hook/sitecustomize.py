@@ -10,7 +10,7 @@ that. bench_overhead.py puts this folder first on PYTHONPATH and sets
 unless that variable is set, and then only wraps two methods once
 ``resilient.train`` is imported (in the workers):
 
-- ``TrainState.after_step`` skips the capture (node store, hence replication)
+- ``StateKeeper.after_step`` skips the capture (node store, hence replication)
   for steps whose mode has no ``snap``;
 - ``Trainer.train_step`` detaches the SDC monitor (and disarms its
   reduce-scatter sums) for steps whose mode has no ``sdc``; when checks resume
@@ -34,33 +34,34 @@ from resilient_bench_blocks import ENV, mode_of  # noqa: E402  (this folder is o
 
 def _patch(train) -> None:
     spec = os.environ[ENV]
-    from resilient import train_state
+    from resilient.job import keeper
 
     def wants(step: int, what: str) -> bool:
         m = mode_of(step, spec)
         return m is None or what in m.split("+")
 
-    after_step = train_state.TrainState.after_step
+    after_step = keeper.StateKeeper.after_step
 
-    def after_step_blocks(self, step: int, force: bool = False) -> None:
+    def after_step_blocks(self, step: int, extra, global_extra, force: bool = False) -> None:
         if force or wants(step, "snap"):
-            after_step(self, step, force)
+            after_step(self, step, extra, global_extra, force)
 
     train_step = train.Trainer.train_step
 
-    def train_step_blocks(self):
-        mon = self.__dict__.setdefault("_bench_sdc", self.sdc)
+    def train_step_blocks(self, step: int):
+        guard = self.job.guard
+        mon = self.__dict__.setdefault("_bench_sdc", guard.monitor)
         if mon is not None:
-            on = wants(self.step + 1, "sdc")
-            if on and self.sdc is None:
-                mon.note_restored(self.step)  # the parameters moved while unchecked
-            self.sdc = mon if on else None
+            on = wants(step + 1, "sdc")
+            if on and guard.monitor is None:
+                mon.note_restored(step)  # the parameters moved while unchecked
+            guard.monitor = mon if on else None
             every = mon.cfg.check_every
             for chk in mon.reductions:
-                chk.arm(on and every > 0 and (self.step + 1) % every == 0)
-        return train_step(self)
+                chk.arm(on and every > 0 and (step + 1) % every == 0)
+        return train_step(self, step)
 
-    train_state.TrainState.after_step = after_step_blocks
+    keeper.StateKeeper.after_step = after_step_blocks
     train.Trainer.train_step = train_step_blocks
 
 

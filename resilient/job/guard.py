@@ -1,0 +1,174 @@
+"""The SDC checks of a job: what to watch on the script's model, bit flips, replay.
+
+:class:`SdcGuard` attaches :class:`~resilient.sdc.monitor.SdcMonitor` to the
+modules and optimizers a :class:`~resilient.job.Job` was given, choosing the
+checks their kind allows:
+
+- FSDP2 (``fully_shard``) with several data-parallel ranks: the linear check of
+  every reduce-scatter (what went in sums to what came out, within a rounding
+  bound from the dtype and sizes);
+- DDP: gradients after the all-reduce, and parameters after the step, must be
+  bitwise equal on every rank (replica checks);
+- anything else (one process, a model the checks cannot see into): non-finite
+  and spike checks of the loss and the local gradients, said once as an event;
+- always: the optimizer's state and the parameters hashed at rest between steps.
+
+It also owns the bit-flip injectors (``[sdc] inject`` and the chaos harness's
+requests) and fires them at the points of a step where a flip means something.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilient.events import EventLog
+from resilient.sdc.api import Action, Decision, SdcConfig, SdcError
+from resilient.sdc.inject import BitFlipInjector, FlipSpec
+from resilient.sdc.monitor import SdcMonitor
+
+
+def is_fsdp(modules: Sequence[nn.Module]) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for module in modules for m in module.modules())
+
+
+def is_ddp(modules: Sequence[nn.Module]) -> bool:
+    return any(isinstance(m, nn.parallel.DistributedDataParallel) for m in modules)
+
+
+class ModelView:
+    """Several modules (pipeline stages) seen as one for name look-ups: what the
+    injectors and the chaos hooks need (``named_parameters``, ``named_modules``)."""
+
+    def __init__(self, modules: Sequence[nn.Module]):
+        self.modules = list(modules)
+
+    def named_parameters(self):
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def parameters(self):
+        for m in self.modules:
+            yield from m.parameters()
+
+    def named_modules(self):
+        for m in self.modules:
+            yield from m.named_modules()
+
+
+class _Optimizers:
+    """The optimizers as one ``.state`` mapping, for the injectors' ``optim_state`` flips."""
+
+    def __init__(self, optimizers: Sequence[Any]):
+        self.optimizers = [o for o in optimizers if o is not None]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+
+class SdcGuard:
+    """The checks and the injectors of one rank. ``monitor`` is None with ``enable = false``
+    (injectors still fire: a drill of what goes unseen without the checks)."""
+
+    def __init__(self, cfg: SdcConfig, modules: Sequence[nn.Module], optimizers: Sequence[Any], *,
+                 events: EventLog, device: torch.device, rank: int, world: int, node: str = "",
+                 local_rank: int = 0, watch_fsdp: bool | None = None, post_scale: float = 1.0):
+        self.cfg, self.events, self.rank = cfg, events, rank
+        self.modules = list(modules)
+        self.view = ModelView(self.modules)
+        self.optim = _Optimizers(optimizers)
+        self.monitor: SdcMonitor | None = None
+        self.coverage = "off"
+        if cfg.enable:
+            self.monitor = SdcMonitor(cfg, events=events, device=device)
+            for opt in self.optim.optimizers:
+                self.monitor.watch_optimizer(opt)   # Adam state at rest: hashed after a step, verified before the next
+            self.coverage = self._watch(world, watch_fsdp, post_scale)
+        self.flips = [BitFlipInjector(FlipSpec.from_dict(dict(d)), rank,
+                                      log=lambda rec: events.emit("fault_injected", **rec),
+                                      node=node, local_rank=local_rank)
+                      for d in cfg.inject]
+        for flip in self.flips:   # activation flips fire from a forward hook on the module they name
+            flip.validate(self.modules, world)
+            if flip.spec.target == "activation" and flip.here():
+                part = next((m for m in self.modules if flip.spec.tensor in dict(m.named_modules())), None)
+                if part is None:
+                    raise SdcError(f"sdc.inject: no module {flip.spec.tensor!r} on rank {rank} for an activation flip")
+                flip.attach(part)
+
+    def _watch(self, world: int, watch_fsdp: bool | None, post_scale: float) -> str:
+        """Register the checks the modules' kind allows; returns what covers the gradients."""
+        fsdp = is_fsdp(self.modules) and world > 1 if watch_fsdp is None else watch_fsdp
+        if fsdp:
+            # A pipeline schedule reduces once per stage after the last micro-batch, then divides
+            # the reduced gradients by the micro-batch count: the check must expect that.
+            self.monitor.watch_fsdp(self.modules, post_scale=post_scale)
+            return "fsdp-reduce-scatter"
+        if is_ddp(self.modules) and world > 1:
+            params = [(n, p) for n, p in self.view.named_parameters() if p.requires_grad]
+            group = dist.group.WORLD
+            self.monitor.watch_replicas("ddp-grads", lambda: [(n, p.grad) for n, p in params], group)
+            self.monitor.watch_replicas("ddp-params", lambda: params, group, what="param")
+            return "ddp-replicas"
+        if self.rank == 0:
+            self.events.emit("sdc_coverage", coverage="local", reason=(
+                "the model is neither FSDP2-sharded over several ranks nor DDP: its gradients get the "
+                "non-finite and spike checks only (no reduction or replica check); parameters and "
+                "optimizer state are still hashed at rest"))
+        return "local"
+
+    # -------------------------------------------------------------- flips
+    def inject(self, step: int, *targets: str) -> None:
+        for flip in self.flips:
+            if flip.spec.target in targets:
+                flip.maybe_inject(step, self.view, self.optim)
+
+    def begin_step(self, step: int) -> None:
+        """Before step ``step + 1`` (``step`` completed): flips "at rest" strike between
+        steps, after ``step`` was saved and before the next one reads the parameters."""
+        self.inject(step, "param", "optim_state")
+        for flip in self.flips:
+            flip.current_step = step + 1  # activation flips fire inside forward
+
+    # ------------------------------------------------------------- checks
+    def after_backward(self, step: int, loss, replay: Callable[[], Any] | None):
+        """Gradient checks of ``step`` (after backward, before clipping and the optimizer).
+        A suspect step is recomputed with ``replay()`` (zeroed gradients first); the monitor
+        compares the answers and decides. Returns (loss, decision)."""
+        self.inject(step, "grad")
+        if self.monitor is None:
+            return loss, Decision()
+        decision = self.monitor.after_backward(step, self.modules, loss)
+        while decision.action is Action.REPLAY:
+            if replay is None:
+                raise SdcError(f"step {step} is suspect and must be replayed, but no replay function was "
+                               "given: pass replay= (the step's forward and backward) to Job.verify")
+            for opt in self.optim.optimizers:
+                opt.zero_grad(set_to_none=True)
+            loss = replay()
+            self.inject(step, "grad")  # a persistent fault strikes the replay too
+            decision = self.monitor.after_replay(step, self.modules, loss)
+        return loss, decision
+
+    def after_optimizer_step(self, step: int) -> Decision:
+        if self.monitor is None:
+            return Decision()
+        return self.monitor.after_optimizer_step(step, self.modules)
+
+    @property
+    def last_verified(self) -> int | None:
+        return self.monitor.last_verified if self.monitor is not None else None
+
+    def note_restored(self, step: int) -> None:
+        if self.monitor is not None:   # the at-rest hashes start here (restored or initialized)
+            self.monitor.note_restored(step, self.modules)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()

@@ -1,0 +1,439 @@
+"""``Job``: every snapshot tier, restore, preemption and SDC check for a training loop.
+
+The few lines a script adds (see the README's "Your own script")::
+
+    job = resilient.Job(model=model, optimizer=optimizer, state={"loader": loader})
+    for step in job.steps(args.steps):            # restores first; then one iteration per step
+        loss = forward_backward(step)
+        if not job.verify(loss, replay=lambda: forward_backward(step)):
+            continue                              # SDC rolled the state back; the loop goes on from there
+        optimizer.step(); optimizer.zero_grad()
+
+What each iteration's end (the *step boundary*) does: the at-rest SDC checks,
+the worker's heartbeat, a ``step`` event in ``RUN_DIR/events.jsonl``, a
+snapshot into every due tier (blocking only for the host copy), the progress
+line, and on SIGTERM (a preemption notice) a final durable snapshot and the
+end of the loop.
+
+Where it runs decides the tiers:
+
+- under ``resilient launch``: the node's RAM store, peer replicas and the
+  durable tier, restore from the fastest that holds the newest version,
+  heartbeats to the agent, SDC quarantine through the agent;
+- under plain ``torchrun`` or ``python``: the durable tier in the run dir
+  (``--run-dir`` of launch, ``run_dir=``, ``$RESILIENT_RUN_DIR``, or
+  ``runs/<script name>``), said once in a warning.
+
+Step numbers count completed optimizer steps: ``steps(n)`` yields the index
+of the step about to run (0 first), a restored run starts at the restored
+version, and the version saved after the body of iteration ``i`` is ``i + 1``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilient.agent.api import NOT_DURABLE_EXIT
+from resilient.agent.heartbeat import HeartbeatWriter
+from resilient.agent.quarantine import QUARANTINE_EXIT
+from resilient.events import EventLog
+from resilient.job.api import (
+    HOOKS_ENV, NODE_ENV, RUN_DIR_ENV, JobError, NotUnderAgent, is_stateful, rank_state_dicts, restore_rank_state,
+)
+from resilient.job.guard import SdcGuard
+from resilient.job.keeper import Marks, StateKeeper
+from resilient.job.modelstate import ModelState, as_list
+from resilient.progress import ProgressLine
+from resilient.runconfig import RuntimeConfig, load_runtime_config, runtime_config_from_env
+from resilient.sdc.api import Action, Decision
+from resilient.sdc.checksums import local as _local
+from resilient.snapshot import Restored, rng_state, set_rng_state
+from resilient.snapshot.api import StorageError
+
+
+
+def default_run_dir() -> Path:
+    """``$RESILIENT_RUN_DIR``, else ``runs/<script name>`` under the working directory."""
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "job"
+    return Path("runs") / (script or "job")
+
+
+def param_digest(named_parameters) -> str:
+    """SHA-256 of this rank's local parameter bytes, in name order: equal digests on every
+    rank of two runs of one layout = bitwise-equal models."""
+    h = hashlib.sha256()
+    for name, p in sorted(named_parameters, key=lambda kv: kv[0]):
+        h.update(name.encode())
+        h.update(_local(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Job:
+    """The runtime's services for one training process; see the module docstring.
+
+    - ``model``, ``optimizer``: a module and its optimizer, or lists of them (pipeline
+      stages, one optimizer per module; None for a module without one). Saved through
+      torch's state-dict API with global names; FSDP2/TP shards reshard on restore.
+    - ``state``: more of the run's state, saved once for the job: ``Stateful`` objects
+      (``state_dict()``/``load_state_dict()``: an LR scheduler), tensors and DTensors, JSON
+      values (counters) — a dict is restored in place.
+    - ``rank_state``: state of this rank alone (a per-rank data loader, its RNG): JSON or
+      ``Stateful`` with a JSON state dict. Restored on a rank of the same number when the
+      world size did not change; after a resize it stays as built (``resharded`` is True).
+    - ``config``: the runtime config (a :class:`RuntimeConfig`, a TOML path, or None: the
+      one ``resilient launch`` resolved, else the defaults).
+
+    The rest is for trainers that know more (the built-in GPT uses them; nothing here is
+    private to it): ``layout`` (stored in every manifest), ``config_digest`` (a restore
+    refuses another model's versions), ``run_info()`` (global JSON saved with each
+    version), ``reinit()`` (re-initialize the model when a rollback finds no version; by
+    default a fresh run saves its initial state instead), ``fresh_model`` (the model was
+    built uninitialized: restore straight into it), ``param_groups``, ``watch_fsdp`` and
+    ``post_scale`` (see :class:`~resilient.job.guard.SdcGuard`), ``generators`` (named
+    ``torch.Generator`` s whose states are saved per rank), ``total_steps`` (for the
+    progress line), ``describe`` (fields of the ``run_start`` event).
+    """
+
+    def __init__(self, model: nn.Module | list | None = None, optimizer: Any = None, *,
+                 state: Mapping[str, Any] | None = None, rank_state: Mapping[str, Any] | None = None,
+                 run_dir: str | os.PathLike | None = None, config: RuntimeConfig | str | os.PathLike | None = None,
+                 layout: dict | None = None, config_digest: str = "", run_info: Callable[[int], dict] | None = None,
+                 reinit: Callable[[], None] | None = None, fresh_model: bool = False, param_groups: bool = True,
+                 watch_fsdp: bool | None = None, post_scale: float = 1.0,
+                 generators: Mapping[str, torch.Generator] | None = None, node: str | None = None,
+                 device: torch.device | None = None, progress: bool = True, log_every: int = 1,
+                 describe: Mapping[str, Any] | None = None):
+        self.startup: dict[str, float] = {}
+        mark = Marks(self.startup)
+        self.config = self._config(config)
+        self.under_agent = bool(os.environ.get("RESILIENT_STORE") or os.environ.get("RESILIENT_RUNTIME_CONFIG"))
+        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.node = node or os.environ.get(NODE_ENV) or None
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise JobError("WORLD_SIZE > 1 but no process group: call torch.distributed.init_process_group() "
+                           "before creating the Job")
+        else:
+            self.rank, self.world_size = 0, 1
+        self.events = EventLog(self.run_dir / "events.jsonl", node=self.node, rank=self.rank)
+        if not self.under_agent and self.rank == 0:
+            warnings.warn(NotUnderAgent.MESSAGE.format(run_dir=self.run_dir), NotUnderAgent, stacklevel=2)
+        self.modules = as_list(model)
+        optimizers = as_list(optimizer)
+        if self.modules and not optimizers:
+            optimizers = [None] * len(self.modules)
+        self.model_state = ModelState(self.modules, optimizers, param_groups=param_groups) if self.modules else None
+        self.extra_state = dict(state or {})
+        self.rank_state = dict(rank_state or {})
+        self.generators = dict(generators or {})
+        self.layout = dict(layout or {"world": self.world_size})
+        self.run_info, self.reinit, self.fresh_model = run_info, reinit, fresh_model
+        self.describe = dict(describe or {})
+        self.device = device or (self._first_param_device() or torch.device("cpu"))
+        if self.model_state is not None:
+            self.model_state.materialize()   # a restore needs the optimizer's tensors to fill
+        mark("optimizer_state")
+        self.keeper = StateKeeper(self.config.snapshot, self.run_dir, self._snapshot_state, self._load_state,
+                                  self.events, layout=self.layout, config_digest=config_digest)
+        self.startup.update({f"snapshots.{k}": v for k, v in self.keeper.setup_timings.items()})
+        self.guard = SdcGuard(self.config.sdc, self.modules, optimizers, events=self.events, device=self.device,
+                              rank=self.rank, world=self.world_size, node=self.node or "",
+                              local_rank=int(os.environ.get("LOCAL_RANK", "0")), watch_fsdp=watch_fsdp,
+                              post_scale=post_scale)
+        mark("sdc")
+        self.heartbeat = HeartbeatWriter.from_env()
+        self.step = 0              # completed steps; the next one to run is self.step
+        self.restored: Restored | None = None
+        self.resharded = False     # the restored version was written by another layout
+        self.stop_requested = False
+        self.loss: float | None = None
+        self.last_local_loss: Any = None
+        self._fields: dict[str, Any] = {}
+        self._restored_once = False
+        self._rolled_back = False
+        self._t_step = time.perf_counter()
+        self.progress = ProgressLine(0, every=log_every) if progress and self.rank == 0 else None
+        self._install_sigterm()
+        self.hooks = self._load_hooks()
+
+    # ---------------------------------------------------------------- set-up
+    @staticmethod
+    def _config(config) -> RuntimeConfig:
+        if isinstance(config, RuntimeConfig) or (config is not None and hasattr(config, "snapshot")
+                                                 and hasattr(config, "sdc")):
+            return config
+        if config is not None:
+            return load_runtime_config(config)
+        return runtime_config_from_env() or RuntimeConfig()
+
+    def _first_param_device(self) -> torch.device | None:
+        for m in self.modules:
+            for p in m.parameters():
+                return _local(p).device
+        return None
+
+    def _install_sigterm(self) -> None:
+        # Preemption notice: finish the step in flight, save it, leave. Only the main thread
+        # may set handlers; a loop run elsewhere relies on its process's own handling.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def _load_hooks(self) -> list:
+        """The public extension point for worker-side tools (the chaos harness): each
+        ``module:attr`` in ``$RESILIENT_WORKER_HOOKS`` (comma-separated) is called with this
+        job and may return an object with ``close()``."""
+        hooks = []
+        for spec in filter(None, (s.strip() for s in os.environ.get(HOOKS_ENV, "").split(","))):
+            module, _, attr = spec.partition(":")
+            target: Any = importlib.import_module(module)
+            for part in attr.split(".") if attr else []:
+                target = getattr(target, part)
+            hook = target(self)
+            if hook is not None:
+                hooks.append(hook)
+        return hooks
+
+    # ----------------------------------------------------------------- state
+    @property
+    def model(self):
+        """The modules as one object for name look-ups (``named_parameters``, ``named_modules``)."""
+        return self.guard.view
+
+    @property
+    def sdc(self):
+        """The :class:`~resilient.sdc.monitor.SdcMonitor` (None with ``[sdc] enable = false``):
+        register more checks on it, e.g. ``watch_replicas`` for tensors your layout replicates."""
+        return self.guard.monitor
+
+    @property
+    def flips(self) -> list:
+        """The bit-flip injectors (``[sdc] inject``); extension hooks may add to it."""
+        return self.guard.flips
+
+    def _snapshot_state(self) -> dict:
+        out: dict = dict(self.model_state.state_dict()) if self.model_state is not None else {}
+        for k, v in self.extra_state.items():
+            if k in out:
+                raise JobError(f"state key {k!r} is taken by the model's state; rename it")
+            out[k] = v.state_dict() if is_stateful(v) else v
+        return out
+
+    def _load_state(self, state: dict) -> None:
+        if self.model_state is not None:
+            self.model_state.load_state_dict(state)
+        for k, v in self.extra_state.items():
+            if is_stateful(v):
+                v.load_state_dict(state[k])
+
+    def _rank_extra(self) -> dict:
+        return {"rng": rng_state(self.generators), "rank_state": rank_state_dicts(self.rank_state)}
+
+    def _global_extra(self, step: int) -> dict:
+        info = dict(self.run_info(step)) if self.run_info is not None else {}
+        return {"step": step, **info}
+
+    # --------------------------------------------------------------- restore
+    def restore(self) -> int:
+        """Load the newest committed version from the fastest tier that holds it, resharded to
+        this layout, every byte verified; returns the step to resume from (0: a fresh run).
+        Collective: every rank calls it. :meth:`steps` calls it first if you did not."""
+        if self._restored_once:
+            return self.step
+        self._restored_once = True
+        t0 = time.perf_counter()
+        restored = self.keeper.restore(fresh=self.fresh_model)
+        self.startup["restore" if restored is not None else "init"] = round(time.perf_counter() - t0, 4)
+        self.startup.update({f"restore.{k}": v for k, v in self.keeper.timings.items()})
+        if restored is not None:
+            self._after_restore(restored)
+            if self.progress:
+                self.progress.message(f"restored step {restored.step} from {restored.url} "
+                                      f"({'resharded, ' if restored.resharded else ''}{time.perf_counter() - t0:.2f}s)")
+        else:
+            if self.reinit is not None and self.fresh_model:
+                self.reinit()
+            if self.guard.monitor is not None and self.reinit is None:
+                # A rollback before the first snapshot needs a version to go back to.
+                self.keeper.after_step(0, self._rank_extra, lambda: self._global_extra(0), force=True)
+        self.guard.note_restored(self.step)
+        return self.step
+
+    def _after_restore(self, restored: Restored) -> None:
+        self.restored, self.step = restored, restored.step
+        self.resharded = bool(restored.resharded) or restored.world != self.world_size
+        if restored.extra is not None:
+            set_rng_state(restored.extra["rng"], self.generators)
+            if restored.world == self.world_size:
+                restore_rank_state(self.rank_state, restored.extra.get("rank_state") or {})
+
+    # ------------------------------------------------------------ the loop
+    def steps(self, until: int, total: int | None = None) -> Iterator[int]:
+        """Yield the index of each step to run until ``until`` steps completed or a
+        preemption; restores first. After each iteration's body: the step boundary (module
+        docstring). At the end: a final durable snapshot (:meth:`finish`). ``total``: the
+        run's length, when this launch stops earlier (for the progress line)."""
+        self.restore()
+        if self.progress:
+            self.progress.total = total or until
+        self._run_start(total or until)
+        self.heartbeat.beat()
+        while self.step < until and not self.stop_requested:
+            self.guard.begin_step(self.step)
+            self._rolled_back, self._fields, self.loss = False, {}, None
+            self._t_step = time.perf_counter()
+            yield self.step
+            if self._rolled_back:
+                continue
+            self.end_step()
+        self.finish()
+
+    def _run_start(self, total: int) -> None:
+        self.events.emit("run_start", layout=self.layout, start_step=self.step, total_steps=total,
+                         device=str(self.device), startup=self.startup, tiers=self.tiers(),
+                         sdc=self.guard.coverage, **self.describe)
+
+    def tiers(self) -> list[str]:
+        """The tiers this job writes: ``memory`` (node RAM, peers) and/or ``durable``."""
+        return [t for t, w in (("memory", self.keeper.memory), ("durable", self.keeper.durable)) if w is not None]
+
+    def verify(self, loss: Any = None, replay: Callable[[], Any] | None = None) -> bool:
+        """After backward, before the optimizer step: the SDC checks of this step's gradients.
+
+        ``replay()`` recomputes the step's forward and backward (same batch) and returns its
+        loss: a suspect step is replayed; a different answer is a transient fault (the
+        replayed gradients are used), the same wrong answer a bad device. Returns False when
+        the checks rolled the state back to the last verified version: skip the optimizer
+        step (``continue``); the loop resumes from the restored step. A confirmed bad device
+        on this rank ends the process with the exit code that makes its agent quarantine
+        the node. Also records ``loss`` for the step event."""
+        loss, decision = self.guard.after_backward(self.step + 1, loss, replay)
+        self.last_local_loss = loss   # replayed or not: the one this step's gradients came from
+        self.record(loss=loss)
+        if decision.action in (Action.ROLLBACK, Action.QUARANTINE):
+            self._rollback(decision)
+            return False
+        return True
+
+    def record(self, loss: Any = None, **fields: Any) -> None:
+        """Fields of this step's ``step`` event (``loss`` at full precision, anything JSON)."""
+        if loss is not None:
+            self.loss = float(loss.detach().double()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._fields.update(fields)
+
+    def end_step(self) -> None:
+        """The step boundary after a completed optimizer step (``steps()`` calls it; call it
+        yourself in a loop of your own, after ``optimizer.step()``)."""
+        step = self.step + 1
+        decision = self.guard.after_optimizer_step(step)
+        if decision.action in (Action.ROLLBACK, Action.QUARANTINE):
+            self._rollback(decision)
+            return
+        if self.guard.last_verified is not None:
+            self.keeper.keep_verified(self.guard.last_verified)
+        self.step = step
+        self.heartbeat.beat()
+        seconds = time.perf_counter() - self._t_step
+        loss = self.loss
+        if self.guard.monitor is not None and self.guard.monitor.loss_mean is not None:
+            loss = self.guard.monitor.loss_mean   # the checks' exchange already averaged it over ranks
+        fields = {"seconds": seconds, **self._fields}
+        self.events.emit("step", step=step, loss=loss, **fields)
+        self.keeper.after_step(step, self._rank_extra, lambda: self._global_extra(step))
+        if self.progress:
+            if self.progress.due(step):
+                tiers = self.keeper.committed()
+                self.progress.set("committed", " ".join(f"{t} {tiers[t]}" for t in ("local", "peer", "durable")
+                                                        if t in tiers) or "none yet")
+            self.progress.update(step, loss if loss is not None else float("nan"),
+                                 float(fields.get("tokens_per_s", 0.0)), fields.get("mfu"))
+        self._t_step = time.perf_counter()
+
+    def _rollback(self, decision: Decision) -> None:
+        """Corruption was confirmed during step ``self.step + 1``: nothing of it was saved (the
+        checks run before its snapshot), so the newest verified version is clean. Load it and
+        go on from there; a quarantine sends this rank's (or every) worker away instead."""
+        self._rolled_back = True
+        for opt in self.guard.optim.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.keeper.wait_idle()
+        if decision.action is Action.QUARANTINE:
+            # A bad device: its worker leaves with the exit code that tells its agent to
+            # quarantine the node; everyone else leaves too, so the agents re-form without that
+            # node and every rank restores the last clean version: the newer ones are gone
+            # before anyone leaves (the barrier), so none can be restored.
+            if decision.rollback_to is not None:
+                self.keeper.abandon_after(decision.rollback_to)
+            if dist.is_initialized():
+                dist.barrier()
+            raise SystemExit(QUARANTINE_EXIT if self.rank in decision.quarantine else 1)
+        restored = self.keeper.restore(max_step=decision.rollback_to)
+        if restored is not None:
+            self._after_restore(restored)
+        else:
+            if self.reinit is None:
+                raise JobError("an SDC rollback found no version to go back to and the job has no reinit()")
+            self.reinit()
+            self.step = 0
+        self.keeper.abandon_after(self.step)
+        self.events.emit("rollback", to_step=self.step, reason=decision.action.value,
+                         suspects=sorted({s.rank for s in decision.suspicions}))
+        self.guard.note_restored(self.step)
+
+    # ------------------------------------------------------------------ end
+    def committed(self) -> dict[str, int]:
+        """The newest committed step per tier this process can see."""
+        return self.keeper.committed()
+
+    def finish(self) -> None:
+        """Make the last step durable (end of run, preemption); ``run_end`` event. Raises
+        SystemExit with the agent's "not durable" code when it could not be saved."""
+        if self.progress:
+            self.progress.close()
+        with self.heartbeat.while_waiting():
+            try:
+                self.keeper.final(self.step, self._rank_extra, lambda: self._global_extra(self.step))
+            except StorageError as e:
+                self.events.emit("worker_error", error=f"{type(e).__name__}: {e}", traceback="")
+                raise SystemExit(NOT_DURABLE_EXIT) from e
+        if self.stop_requested:
+            self.events.emit("run_end", step=self.step, preempted=True)
+        else:
+            digest = param_digest(self.guard.view.named_parameters()) if self.modules else None
+            self.events.emit("run_end", step=self.step, param_digest=digest)
+
+    def close(self, failed: bool = False) -> None:
+        """Finish in-flight writes and stop the checks. ``failed``: the process is failing
+        (bounded waits; nothing that needs every rank)."""
+        for hook in self.hooks:
+            hook.close()
+        with self.heartbeat.while_waiting():
+            self.keeper.close(failed)
+            self.guard.close()
+        self.events.close()
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        failed = exc_type is not None and not (exc_type is SystemExit and exc is not None and exc.code in (0, None))
+        self.close(failed=failed)

@@ -1,0 +1,267 @@
+"""What a worker snapshots and restores, and when: every tier behind one object.
+
+:class:`StateKeeper` owns the two writers of a worker and the tiered restore:
+
+- under ``resilient launch`` (env ``RESILIENT_STORE`` set by the agent) a
+  :class:`~resilient.snapshot.Snapshotter` writes every ``snapshot.every``-th
+  step into the node's shared-memory store (``file:///dev/shm/...``, same
+  format, no committer: the agent replicates and commits it,
+  :mod:`resilient.snapshot.memcommit`), and restore tries local RAM, peer
+  RAM, then durable (:mod:`resilient.snapshot.tiers`);
+- the durable tier (``snapshot.durable_url``, default ``RUN_DIR/checkpoints``)
+  shares the memory writer's host buffers: one capture feeds both.
+
+Without the agent (plain ``torchrun`` or ``python``) only the durable tier runs.
+
+The keeper knows nothing of models: it saves and restores whatever dict of
+tensors and JSON values ``state_fn()`` returns (global names, DTensor shards
+resharded on restore) and calls ``load_fn(state)`` once a restore has written
+into it. :class:`resilient.job.Job` gives it the user's state; the built-in
+trainer goes through the same ``Job``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from resilient.events import EventLog
+from resilient.sdc.checksums import local as _local
+from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter
+from resilient.snapshot.api import StorageError
+from resilient.snapshot.config import SnapshotConfig
+from resilient.snapshot.flatten import iter_leaves
+from resilient.snapshot.restore import restore_candidates
+from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
+
+# A failing rank's wait for its in-flight snapshot writes: the node store's (tmpfs) take
+# milliseconds; a durable upload cut short is never committed and is collected later.
+FAILED_CLOSE = timedelta(seconds=2)
+
+
+class _ErrorsOnly:
+    """Events of the every-step memory writer: only its errors (a snapshot and an upload
+    event per rank per step would drown the log; the agent's commit events say enough)."""
+
+    def __init__(self, events: EventLog):
+        self.events = events
+
+    def emit(self, kind: str, **fields) -> None:
+        # FileNotFoundError/FileExistsError: the agent retired an older version while a late
+        # write of it (the uploader writes the newest pending capture first) was landing; expected.
+        if kind == "upload_error" and not str(fields.get("error", "")).startswith(("FileNotFoundError",
+                                                                                  "FileExistsError")):
+            self.events.emit(kind, tier="local", **fields)
+
+
+def durable_url(cfg: SnapshotConfig, run_dir: Path) -> str:
+    return cfg.durable_url or (Path(run_dir) / "checkpoints").as_uri()
+
+
+class Marks:
+    """Seconds since the previous mark, per phase name, into ``out`` (run_start's ``startup``)."""
+
+    def __init__(self, out: dict[str, float]):
+        self.out, self.last = out, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.out[phase] = round(now - self.last, 4)
+        self.last = now
+
+
+class StateKeeper:
+    """Saves ``state_fn()`` into every due tier after a step; restores the newest version.
+
+    - ``state_fn() -> dict``: the state to save and to restore into (tensors in place,
+      JSON leaves assigned back into their containers). Called often: cache it.
+    - ``load_fn(state)``: after a restore wrote into ``state``, make it live (e.g. torch's
+      ``set_state_dict`` where the state dict's tensors are copies).
+    - ``layout``: stored in each manifest (``world``, ``dp``...); ``config_digest``:
+      identifies the model, a restore refuses another model's versions.
+    """
+
+    def __init__(self, cfg: SnapshotConfig, run_dir: Path, state_fn: Callable[[], dict],
+                 load_fn: Callable[[dict], None], events: EventLog, *, layout: dict,
+                 config_digest: str = ""):
+        self.cfg, self.state_fn, self.load_fn, self.events = cfg, state_fn, load_fn, events
+        self.layout, self.config_digest = layout, config_digest
+        self.timings: dict[str, float] = {}  # seconds of the last restore's parts (run_start's startup)
+        self.setup_timings: dict[str, float] = {}
+        mark = Marks(self.setup_timings)
+        self.last_saved = -1
+        self.durable_step = -1  # newest step captured for (or restored from) the durable tier
+        self.store = StoreInfo.from_env() if cfg.every > 0 and cfg.memory else None
+        self.memory: Snapshotter | None = None
+        if self.store is not None:
+            # tmpfs: nothing to compress, little to retry; a full store must not stall the writer.
+            self.memory = Snapshotter(
+                self.store.store.url, every=cfg.every, events=_ErrorsOnly(events), layout=layout,
+                config_digest=config_digest, compress="none", threads=2, chunk_bytes=cfg.chunk_mib << 20,
+                part_bytes=cfg.part_mib << 20, commit=False,
+                retry=RetryPolicy(deadline=timedelta(seconds=2), attempts=2))
+        self.durable: Snapshotter | None = None
+        mark("memory_tier")
+        if cfg.durable_every or cfg.durable_seconds or cfg.resume:
+            # One capture feeds both tiers: the durable writer shares the RAM store's buffers.
+            self.durable = Snapshotter.from_config(
+                cfg, durable_url(cfg, run_dir), events=events, layout=layout,
+                config_digest=config_digest, share_with=self.memory)
+        mark("durable_tier")
+
+    @property
+    def rank(self) -> int:
+        return self.durable.rank if self.durable is not None else 0
+
+    # ------------------------------------------------------------ restore
+    def restore(self, max_step: int | None = None, fresh: bool = False) -> Restored | None:
+        """Load the newest complete version (at most ``max_step``, for a rollback) into the
+        state, in place, resharded to this layout. Returns None when there is none.
+
+        ``fresh``: the state holds nothing worth keeping (a model built uninitialized): read
+        straight into it. Otherwise the version is staged first, so one that fails half-way
+        leaves the live state as it was. Collective."""
+        if self.durable is None or not self.cfg.resume:
+            return None
+        t0 = time.perf_counter()
+        state = self.state_fn()
+        direct = fresh and all(_local(v).device.type == "cpu" for _, v, _, _ in iter_leaves(state)
+                               if isinstance(v, torch.Tensor))
+        # Allocate the capture buffers now rather than in the first saves (on a GPU they are
+        # pinned, which costs seconds per GB-scale slot), on a thread but for the staging one;
+        # after the restore when it needs none (the thread would compete with it for cores).
+        writer = self.memory if self.memory is not None else (
+            self.durable if self.cfg.durable_every or self.cfg.durable_seconds else None)
+        if writer is not None and not direct:
+            writer.prepare(state, background=True)
+        arena = writer.staging() if writer is not None and not direct else None
+        self.timings["prepare_buffers"] = round(time.perf_counter() - t0, 4)
+        if self.store is None and max_step is None:
+            restored = self.durable.restore(state, direct=direct)
+        else:
+            restored = self._restore_tiered(state, max_step, arena, direct)
+        if writer is not None and direct:
+            writer.prepare(state, background=True, staging=False)
+        if restored is None:
+            return None
+        t1 = time.perf_counter()
+        self.load_fn(state)
+        self.timings["load"] = round(time.perf_counter() - t1, 4)
+        # The restored version exists already: saving it again at the end (a run restored at
+        # its last step) would only write a second attempt of the same state.
+        self.last_saved = restored.step
+        if not restored.url.startswith("memory://"):
+            self.durable_step = restored.step
+        return restored
+
+    def _restore_tiered(self, state: dict, max_step: int | None = None,
+                        arena: torch.Tensor | None = None, direct: bool = False) -> Restored | None:
+        durable = SnapshotReader(self.durable.url, self.durable.storage_options, self.durable.retry)
+        secret = self.store.secret() if self.store is not None else None
+        candidates, readers = tiered_candidates(self.store, durable, self.events, secret)
+        if max_step is not None:
+            candidates = [c for c in candidates if c[0] <= max_step]
+        try:
+            restored = restore_candidates(candidates, state, rank=self.rank, config_digest=self.config_digest,
+                                          events=self.events, layout=self.layout, arena=arena, direct=direct)
+        finally:
+            for r in readers:
+                r.close()
+        # A rollback (max_step) drops later versions of every tier itself: abandon_after.
+        if restored is not None and self.rank == 0 and self.store is not None and max_step is None:
+            try:
+                forget_after(self.store, restored.step)
+            except Exception:  # bookkeeping; the next commits go on regardless
+                pass
+        return restored
+
+    # --------------------------------------------------------------- save
+    def after_step(self, step: int, extra: Callable[[], Any], global_extra: Callable[[], Any],
+                   force: bool = False) -> None:
+        """Called after optimizer step ``step`` (completed steps): capture into each tier that
+        is due. ``extra()`` is this rank's JSON state, ``global_extra()`` the run's (rank 0's kept);
+        both are called only when a capture happens."""
+        if step == self.last_saved:
+            return
+        durable = self.durable is not None and (force or self.durable.due(step))
+        memory = self.memory is not None and (force or self.memory.due(step))
+        if not (durable or memory):
+            return
+        state = self.state_fn()
+        if memory:
+            self.memory.save(step, state, extra=extra(), global_extra=global_extra(), force=True,
+                             also=(self.durable,) if durable else ())
+        elif durable:
+            self.durable.save(step, state, extra=extra(), global_extra=global_extra(), force=True)
+        if durable:
+            self.durable_step = step
+        self.last_saved = step
+
+    def final(self, step: int, extra: Callable[[], Any], global_extra: Callable[[], Any],
+              timeout: timedelta = timedelta(minutes=10)) -> None:
+        """Make sure ``step`` is durable before the process ends (end of run, preemption).
+        Raises :class:`StorageError` when it could not be: exiting 0 would say it is safe."""
+        if self.durable is None:
+            return
+        if self.last_saved != step:
+            self.after_step(step, extra, global_extra, force=True)  # every tier
+        elif self.durable_step != step:  # memory has it, durable not yet
+            self.durable_step = step
+            self.durable.save(step, self.state_fn(), extra=extra(), global_extra=global_extra(), force=True)
+        if self.memory is not None:
+            self.memory.wait(timeout)
+        self.durable.wait(timeout)
+        err = self.durable.upload_error(step)
+        if err is None and self.durable.committed_step not in (None, step):
+            err = f"not committed (newest committed: step {self.durable.committed_step})"
+        if err is not None:
+            raise StorageError(f"the final snapshot of step {step} could not be made durable at "
+                               f"{self.durable.url}: {err}", self.durable.url)
+
+    # ---------------------------------------------------------- bookkeeping
+    def committed(self) -> dict[str, int]:
+        """The newest committed step per tier this process can see (for the progress line):
+        ``local``/``peer`` from the agent, ``durable`` from this rank's committer (rank 0)."""
+        out = dict(self.store.store.read_committed()) if self.store is not None else {}
+        if self.durable is not None and self.durable.committed_step is not None:
+            out["durable"] = self.durable.committed_step
+        return out
+
+    def keep_verified(self, step: int) -> None:
+        """The SDC checks verified the state of ``step``: a rollback would go back there,
+        so durable retention must keep a version at or below it."""
+        if self.durable is not None:
+            self.durable.keep_at_or_below(step)
+
+    def abandon_after(self, step: int) -> None:
+        """At a rollback to ``step``: no restart may ever restore a newer version (it may
+        hold the corruption rolled back from). Rank 0 drops their commit records in etcd
+        (memory tiers) and deletes them from the durable tier; call after
+        :meth:`wait_idle`, so no write of theirs is still in flight."""
+        if self.durable is None or self.rank != 0:
+            return
+        if self.store is not None:
+            forget_after(self.store, step)
+        dropped = self.durable.drop_after(step)
+        if dropped:
+            self.events.emit("gc", step=step, removed=dropped, kept=[], reason="rollback")
+
+    def wait_idle(self, timeout: timedelta = timedelta(minutes=10)) -> None:
+        """Let captured versions finish writing (before a rollback picks the newest)."""
+        for snap in (self.memory, self.durable):
+            if snap is not None:
+                snap.wait(timeout)
+
+    def close(self, failed: bool = False) -> None:
+        """Finish writing captured versions. ``failed``: this rank is failing (a peer died,
+        an error): bounded waits, no waiting for commits that need every rank
+        (:meth:`Snapshotter.close`)."""
+        timeout = FAILED_CLOSE if failed else timedelta(minutes=10)
+        if self.memory is not None:
+            self.memory.close(timeout, commit=not failed)
+        if self.durable is not None:
+            self.durable.close(timeout, commit=not failed)
