@@ -43,10 +43,15 @@ class ProgressLine:
         """Whether :meth:`update` at ``step`` prints (so callers gather extras only then)."""
         return self.tty or step % self.every == 0 or step == self.total
 
-    def update(self, step: int, loss: float, tokens_per_s: float, mfu: float | None = None) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float | None, mfu: float | None = None,
+               seconds: float | None = None) -> None:
+        """``tokens_per_s`` None (a loop that does not count tokens): steps per second from
+        ``seconds``, the step's duration."""
         if not self.due(step):
             return
-        parts = [f"step {step}/{self.total}", f"loss {loss:.4f}", f"{tokens_per_s:,.0f} tok/s"]
+        rate = f"{tokens_per_s:,.0f} tok/s" if tokens_per_s is not None else (
+            f"{1 / seconds:,.1f} steps/s" if seconds else "")
+        parts = [f"step {step}/{self.total}", f"loss {loss:.4f}", *([rate] if rate else [])]
         if mfu:
             parts.append(f"MFU {100 * mfu:.1f}%")
         parts += [f"{k} {v}" for k, v in self.extra.items()]

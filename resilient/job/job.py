@@ -122,7 +122,7 @@ class Job:
         mark = Marks(self.startup)
         self.config = self._config(config)
         self.under_agent = bool(os.environ.get("RESILIENT_STORE") or os.environ.get("RESILIENT_RUNTIME_CONFIG"))
-        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir()).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.node = node or os.environ.get(NODE_ENV) or None
         if dist.is_available() and dist.is_initialized():
@@ -141,6 +141,9 @@ class Job:
             optimizers = [None] * len(self.modules)
         self.model_state = ModelState(self.modules, optimizers, param_groups=param_groups) if self.modules else None
         self.extra_state = dict(state or {})
+        taken = {"model", "optim"} & set(self.extra_state) if self.model_state is not None else set()
+        if taken:
+            raise JobError(f"state key(s) {sorted(taken)} are taken by the model's and optimizer's state; rename them")
         self.rank_state = dict(rank_state or {})
         self.generators = dict(generators or {})
         self.layout = dict(layout or {"world": self.world_size})
@@ -192,8 +195,9 @@ class Job:
     def _install_sigterm(self) -> None:
         # Preemption notice: finish the step in flight, save it, leave. Only the main thread
         # may set handlers; a loop run elsewhere relies on its process's own handling.
+        self._old_sigterm = None
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
@@ -233,8 +237,6 @@ class Job:
     def _snapshot_state(self) -> dict:
         out: dict = dict(self.model_state.state_dict()) if self.model_state is not None else {}
         for k, v in self.extra_state.items():
-            if k in out:
-                raise JobError(f"state key {k!r} is taken by the model's state; rename it")
             out[k] = v.state_dict() if is_stateful(v) else v
         return out
 
@@ -364,8 +366,8 @@ class Job:
                 tiers = self.keeper.committed()
                 self.progress.set("committed", " ".join(f"{t} {tiers[t]}" for t in ("local", "peer", "durable")
                                                         if t in tiers) or "none yet")
-            self.progress.update(step, loss if loss is not None else float("nan"),
-                                 float(fields.get("tokens_per_s", 0.0)), fields.get("mfu"))
+            self.progress.update(step, loss if loss is not None else float("nan"), fields.get("tokens_per_s"),
+                                 fields.get("mfu"), seconds=fields["seconds"])
         self._t_step = time.perf_counter()
 
     def _rollback(self, decision: Decision) -> None:
@@ -430,6 +432,9 @@ class Job:
             self.keeper.close(failed)
             self.guard.close()
         self.events.close()
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)   # the process lives on (a test, a notebook)
+            self._old_sigterm = None
 
     def __enter__(self) -> "Job":
         return self

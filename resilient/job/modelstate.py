@@ -83,7 +83,18 @@ class ModelState:
         key = self._identity()
         if self._state is None or self._key != key:
             self._state, self._key = self._build(), key
+        elif self.param_groups:
+            self._refresh_groups()
         return self._state
+
+    def _refresh_groups(self) -> None:
+        """The cached ``param_groups`` with the optimizers' current hyperparameters (a scheduler
+        changes ``lr`` every step; the tensors are the same objects, the JSON is not)."""
+        saved = self._state["optim"]["param_groups"]
+        opts = [o for o in self.optimizers if o is not None]
+        for opt, groups in zip(opts, [saved] if len(opts) == 1 else saved):
+            for live, out in zip(opt.param_groups, groups):
+                out.update({k: v for k, v in live.items() if k != "params"})
 
     def _build(self) -> dict:
         model: dict = {}

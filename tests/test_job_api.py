@@ -1,0 +1,176 @@
+"""The public API (resilient.Job) in one process, outside ``resilient launch``: the
+durable tier, restore of every kind of state, preemption, the SDC checks a model
+without FSDP2 or DDP gets (non-finite, spikes, at-rest hashes), and the errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+
+import pytest
+import torch
+
+from resilient.events import read_events
+from resilient.job import Job, JobError, NotUnderAgent
+from resilient.job.api import rank_state_dicts, restore_rank_state
+from resilient.runconfig import load_runtime_config
+
+
+class Crash(Exception):
+    pass
+
+
+def train(run_dir, steps: int, *sets: str, crash_at: int | None = None, preempt_at: int | None = None):
+    """A user's loop: an MLP, AdamW, an LR scheduler, a counter dict, a per-rank generator that
+    draws the data, and a per-rank record. Returns (job, model, scheduler, counters, rank record)."""
+    cfg = load_runtime_config(None, ["snapshot.durable_every=1", *sets])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 4, 0.5)
+    counters = {"seen": 0}
+    data = torch.Generator().manual_seed(7)
+    mine = {"draws": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotUnderAgent)
+        job = Job(model, opt, state={"sched": sched, "counters": counters}, rank_state={"mine": mine},
+                  generators={"data": data}, run_dir=run_dir, config=cfg, progress=False)
+
+    def forward_backward(x):
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin())
+        loss.backward()
+        return loss
+
+    failed = True
+    try:
+        for step in job.steps(steps):
+            if step == crash_at:
+                raise Crash(step)
+            if step == preempt_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            x = torch.randn(8, 4, generator=data)
+            if not job.verify(forward_backward(x), replay=lambda: forward_backward(x)):
+                continue
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            counters["seen"] += 8
+            mine["draws"].append(step)
+        failed = False
+    finally:
+        job.close(failed=failed)
+    return job, model, sched, counters, mine
+
+
+def events(run_dir, kind):
+    return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == kind]
+
+
+def digest(model) -> list:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_crashed_run_resumes_bitwise_with_all_its_state(tmp_path):
+    _, ref_model, ref_sched, ref_counters, ref_mine = train(tmp_path / "ref", 12)
+    with pytest.raises(Crash):
+        train(tmp_path / "run", 12, crash_at=7)
+    job, model, sched, counters, mine = train(tmp_path / "run", 12)
+    restored = events(tmp_path / "run", "restore")
+    assert restored and 1 <= restored[-1]["step"] <= 7, restored
+    assert job.restored is not None and job.restored.step == restored[-1]["step"]
+    assert same(digest(model), digest(ref_model)), "parameters differ from the uninterrupted run"
+    assert sched.state_dict() == ref_sched.state_dict() and counters == ref_counters
+    assert mine == ref_mine, "per-rank state (and the data generator) did not come back"
+    (start,) = events(tmp_path / "run", "run_start")[-1:]
+    assert start["tiers"] == ["durable"] and start["start_step"] == restored[-1]["step"]
+    end = events(tmp_path / "run", "run_end")[-1]
+    assert end["step"] == 12 and end["param_digest"] == events(tmp_path / "ref", "run_end")[-1]["param_digest"]
+    steps = [e["step"] for e in events(tmp_path / "run", "step")]
+    assert steps[-1] == 12 and all(isinstance(e["loss"], float) for e in events(tmp_path / "run", "step"))
+
+
+def test_a_fresh_run_warns_that_only_the_durable_tier_runs(tmp_path):
+    with pytest.warns(NotUnderAgent, match="durable tier only"):
+        job = Job(torch.nn.Linear(2, 2), None, run_dir=tmp_path, progress=False)
+    try:
+        assert job.restore() == 0 and job.restored is None and job.tiers() == ["durable"]
+    finally:
+        job.close()
+
+
+def test_sigterm_finishes_the_step_saves_it_and_ends_the_loop(tmp_path):
+    job, model, *_ = train(tmp_path, 50, preempt_at=5)
+    assert job.step == 6 and job.stop_requested
+    (end,) = events(tmp_path, "run_end")
+    assert end == {**end, "step": 6, "preempted": True}
+    assert 6 in [e["step"] for e in events(tmp_path, "commit")], "the preempted step is not durable"
+    assert signal.getsignal(signal.SIGTERM) is not job._on_sigterm, "the handler outlived the job"
+    # and the next launch goes on from there
+    job2, *_ = train(tmp_path, 8)
+    assert job2.restored.step == 6 and job2.step == 8
+
+
+def test_a_gradient_flip_is_replayed_away_bitwise(tmp_path):
+    flip = 'sdc.inject=[{target="grad", tensor="0.weight", bit=30, element=3, rank=0, step=13}]'
+    _, ref, *_ = train(tmp_path / "ref", 16)
+    _, model, *_ = train(tmp_path / "flip", 16, flip)
+    assert events(tmp_path / "flip", "fault_injected")
+    assert events(tmp_path / "flip", "sdc_suspect"), "the flip went unseen"
+    verdicts = events(tmp_path / "flip", "sdc_verdict")
+    assert [v["verdict"] for v in verdicts] == ["transient"], verdicts
+    (cov,) = events(tmp_path / "flip", "sdc_coverage")
+    assert cov["coverage"] == "local"
+    assert same(digest(model), digest(ref)), "the replayed step differs from the clean run"
+
+
+def test_a_parameter_flip_at_rest_rolls_back_bitwise(tmp_path):
+    flip = 'sdc.inject=[{target="param", tensor="2.weight", bit=31, element=0, rank=0, step=5}]'
+    _, ref, *_ = train(tmp_path / "ref", 9)
+    job, model, *_ = train(tmp_path / "flip", 9, flip)
+    suspects = events(tmp_path / "flip", "sdc_suspect")
+    assert suspects and all(s["kind"] == "param_at_rest" for s in suspects), suspects
+    # the job's own rollback event (the monitor's carries the suspect step): back to a version the
+    # checks verified (the uploader may have coalesced the newest ones away) and forward again
+    (rollback,) = [e for e in events(tmp_path / "flip", "rollback") if "step" not in e]
+    assert 0 <= rollback["to_step"] <= 5
+    assert same(digest(model), digest(ref)) and job.step == 9
+
+
+def test_rank_state_round_trips_tensors_and_updates_dicts_in_place():
+    class Loader:
+        def __init__(self):
+            self.state = {"pos": 3, "gen": torch.Generator().manual_seed(1).get_state(), "t": (1, 2)}
+
+        def state_dict(self):
+            return self.state
+
+        def load_state_dict(self, sd):
+            self.state = sd
+
+    src = {"loader": Loader(), "counts": {"a": 1}, "plain": 5}
+    saved = rank_state_dicts(src)
+    import json
+
+    saved = json.loads(json.dumps(saved))   # it travels as JSON
+    dst_counts = {"a": 0}
+    dst = {"loader": Loader(), "counts": dst_counts, "plain": 0}
+    dst["loader"].state = {}
+    restore_rank_state(dst, saved)
+    assert torch.equal(dst["loader"].state["gen"], src["loader"].state["gen"])
+    assert dst["loader"].state["pos"] == 3 and dst_counts == {"a": 1} and dst["plain"] == 5
+
+
+def test_errors_say_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(JobError, match="init_process_group"):
+        Job(torch.nn.Linear(2, 2), None, run_dir=tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotUnderAgent)
+        with pytest.raises(JobError, match="rename them"):
+            Job(torch.nn.Linear(2, 2), None, state={"model": {"x": 1}}, run_dir=tmp_path, progress=False)
