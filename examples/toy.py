@@ -25,7 +25,8 @@ class TinyTransformer(nn.Module):
         x = self.embed(tokens) + self.pos
         for layer in self.layers:
             x = layer(x, src_mask=self.mask, is_causal=True)
-        return self.head(x)
+        # a copy, not the matmul's reshaped view: FSDP2 warns on a root module returning a view
+        return self.head(x).clone()
 
 
 def sample(index: int, seed: int) -> torch.Tensor:
