@@ -73,6 +73,8 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dataset-size", type=int, default=4096)
     ap.add_argument("--trace", default="", help="append each rank's sample ids per step here (JSON lines)")
+    ap.add_argument("--pace", type=float, default=0.0, help="sleep this long in each step: time to watch the "
+                    "tiers, or to kill a worker or a node mid-run")
     return ap.parse_args()
 
 
@@ -106,6 +108,10 @@ class Batches:
         """The loss of step ``step`` on this rank's share of the batch, gradients accumulated."""
         import torch.nn.functional as F
 
+        if getattr(self.args, "pace", 0):
+            import time
+
+            time.sleep(self.args.pace)
         data = batch_for(self.ids(step), self.args.seed)
         loss = F.cross_entropy(self.model(data[:, :-1]).reshape(-1, VOCAB), data[:, 1:].reshape(-1))
         loss.backward()

@@ -28,13 +28,17 @@ def tiny_overrides(corpus: Path, steps: int = 5, **extra) -> list[str]:
 
 
 def run_launch(config: str | Path, run_dir: Path, overrides: list[str], nproc: int | None = None,
-               timeout: float = 240, check: bool = True, extra_args: list[str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "resilient.cli", "launch", str(config), "--run-dir", str(run_dir)]
+               timeout: float = 240, check: bool = True, extra_args: list[str] | None = None,
+               script_args: list[str] = ()) -> subprocess.CompletedProcess:
+    """``resilient launch`` to its end: ``config`` is a GPT run config, or a script given
+    ``script_args`` (options go before it, as for torchrun)."""
+    cmd = [sys.executable, "-m", "resilient.cli", "launch", "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
     if nproc:
         cmd += ["--nproc-per-node", str(nproc)]
     cmd += extra_args or []
+    cmd += [str(config), *script_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -64,8 +68,10 @@ class Agent:
 
     def __init__(self, config: str | Path, run_dir: Path, overrides: list[str], node_id: str,
                  nnodes: str = "1", endpoint: str | None = None, nproc: int | None = None,
-                 extra_args: list[str] | None = None):
-        cmd = [sys.executable, "-m", "resilient.cli", "launch", str(config), "--run-dir", str(run_dir),
+                 extra_args: list[str] | None = None, script_args: list[str] = ()):
+        """``config``: a GPT run config, or a script given ``script_args``."""
+        # Options first, then the config (the GPT) or the script and its own arguments.
+        cmd = [sys.executable, "-m", "resilient.cli", "launch", "--run-dir", str(run_dir),
                "--node-id", node_id, "--nnodes", nnodes]
         if endpoint:
             cmd += ["--rdzv-endpoint", endpoint]
@@ -74,6 +80,7 @@ class Agent:
         for o in overrides:
             cmd += ["--set", o]
         cmd += extra_args or []
+        cmd += [str(config), *script_args]
         self.node_id = node_id
         self.log = open(run_dir.parent / f"agent-{run_dir.name}-{node_id}.log", "w+")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
