@@ -14,7 +14,6 @@ step takes milliseconds (when the stored check has it).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from common import REPO, fig, goal, pending, ratio, row
 

@@ -3,7 +3,7 @@
 Why: the point of warm spares, an in-RAM snapshot store and our own agent is
 that a crashed worker costs about a second, not a cold restart. Same demo
 model (configs/demo.toml, shrunk so a step is cheap), 2 workers on 1 node,
-the same worker script (``python -m resilient.worker``), alternating jobs:
+the same worker script (``python -m resilient.gpt.worker``), alternating jobs:
 
 - ``resilient launch`` with warm spares, restoring from the node's RAM store
   (the default) — and, in the full run, with ``snapshot.memory=false`` so it

@@ -5,7 +5,7 @@ Why: a lost node takes its RAM with it; the peer RAM tier (each node's shards
 replicated to k=1 peers in other failure domains) is what lets the job come
 back without reading durable storage. Two simulated nodes on loopback, one
 worker each (dp=2 of the shrunk demo model), the same worker script
-(``python -m resilient.worker``), jobs alternating:
+(``python -m resilient.gpt.worker``), jobs alternating:
 
 - ``resilient launch`` on each node (real etcd, ``--domain r1``/``r2``),
   ``snapshot.every=1``, ``snapshot.replicas=1``;

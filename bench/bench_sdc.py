@@ -5,7 +5,7 @@ Nobody publishes these numbers for a training runtime; here is how ours are made
 - The job: 2 gloo ranks (a :class:`resilient.sdc.harness.GlooPool`, started
   once), the project's own GPT, FSDP2 over dp=2, AdamW, the stdlib corpus, and
   the production :class:`~resilient.sdc.monitor.SdcMonitor` called at the same
-  hook points and in the same order as ``resilient/train.py`` (after backward
+  hook points and in the same order as ``resilient/gpt/train.py`` (after backward
   → replay loop → clip → optimizer step → after the step). No mock anywhere.
 - Detection campaign (tiny model: dim 64, 4 layers, seq 32, batch 8): each
   trial saves the rank-local state in memory, flips ONE bit of ONE element
@@ -64,10 +64,10 @@ class Loop:
     def __init__(self, sets: dict, corpus: str, sdc: bool, steps: int, sdc_kw: dict | None = None):
         import torch
 
-        from resilient.config import load_config
-        from resilient.data import TokenCorpus
-        from resilient.optim import Optimizers
-        from resilient.parallel import build_layout, build_model
+        from resilient.gpt.config import load_config
+        from resilient.gpt.data import TokenCorpus
+        from resilient.gpt.optim import Optimizers
+        from resilient.gpt.parallel import build_layout, build_model
         from resilient.sdc.api import SdcConfig
         from resilient.sdc.monitor import SdcMonitor
         from resilient.job import ModelState
@@ -94,7 +94,7 @@ class Loop:
     def run_step(self) -> list:
         """One step; returns the monitor's decisions. Stops (no optimizer step)
         at a rollback/quarantine decision, like the trainer."""
-        from resilient.optim import clip_grad_norm, lr_at
+        from resilient.gpt.optim import clip_grad_norm, lr_at
         from resilient.sdc.api import Action
 
         step, cfg, lay = self.step, self.cfg.train, self.layout

@@ -113,7 +113,7 @@ def drop_dir(path: Path) -> None:
 # --------------------------------------------------------------- training jobs
 def corpus_path() -> Path:
     """The demo's corpus, built once (from the stdlib's sources, nothing downloaded)."""
-    from resilient.data import prepare
+    from resilient.gpt.data import prepare
 
     path = Path("~/.cache/resilient/data/python-stdlib").expanduser()
     if not (path / "meta.json").exists():
@@ -154,14 +154,14 @@ def torchrun_cmd(run_dir: Path, sets: list[str], nproc: int = 2, max_restarts: i
     """Plain torchrun restarting our same worker script; writes RUN/config.json as the launcher would.
     With ``nnodes`` > 1, one simulated node: every node gets the same command and ``endpoint``
     (the first one started hosts torch's c10d rendezvous store)."""
-    from resilient.config import load_config
+    from resilient.gpt.config import load_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = load_config(DEMO, sets)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
             "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "-m", "resilient.worker", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+            "-m", "resilient.gpt.worker", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
 
 
 def free_port() -> int:
@@ -287,9 +287,10 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-def worker_pid(job: Job, local_rank: int) -> int:
+def worker_pid(job: Job, local_rank: int, script: str = "resilient.gpt.worker") -> int:
     """The pid of a live worker: from the agent's newest ``workers_started`` event, or
-    (torchrun logs no pids) the job's ``resilient.worker`` child whose LOCAL_RANK matches."""
+    (torchrun logs no pids) the job's child running ``script`` (a module or a script path as
+    given to torchrun) whose LOCAL_RANK matches."""
     import psutil
 
     started = job.events("workers_started")
@@ -297,7 +298,7 @@ def worker_pid(job: Job, local_rank: int) -> int:
         return dict(zip(started[-1]["local_ranks"], started[-1]["pids"]))[local_rank]
     for p in psutil.Process(job.proc.pid).children(recursive=True):
         try:
-            if "resilient.worker" in p.cmdline() and p.environ().get("LOCAL_RANK") == str(local_rank):
+            if script in p.cmdline() and p.environ().get("LOCAL_RANK") == str(local_rank):
                 return p.pid
         except psutil.Error:
             continue
@@ -334,7 +335,7 @@ def spares_idle(job: Job, want: int, window: float = 0.5) -> bool:
         return False
 
 
-def kill_worker(job: Job, local_rank: int = 1, timeout: float = 600) -> dict:
+def kill_worker(job: Job, local_rank: int = 1, timeout: float = 600, script: str = "resilient.gpt.worker") -> dict:
     """kill -9 one worker; time from the kill to rank 0's first ``step`` event logged after the
     new workers' ``run_start`` (steps that finished in flight before the failure was noticed
     do not count). Also: which tier served the restore and how many steps were redone."""
@@ -342,7 +343,7 @@ def kill_worker(job: Job, local_rank: int = 1, timeout: float = 600) -> dict:
 
     job.wait_steps(1, timeout)  # training is running
     time.sleep(random.uniform(0, 0.3))  # land at a random point of a step
-    pid = worker_pid(job, local_rank)
+    pid = worker_pid(job, local_rank, script)
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
 

@@ -73,7 +73,7 @@ class Checks:
         self.out, self.device = out, device
         self.work = Path(tempfile.mkdtemp(prefix="resilient-gpu-check-"))
         self.res: dict = {"device": device, "checks": {}}
-        from resilient.data import prepare
+        from resilient.gpt.data import prepare
 
         self.corpus = prepare("python-stdlib", self.work / "corpus", max_bytes=400_000)
 

@@ -7,11 +7,11 @@ how fast state comes back from host RAM. Three phases, each guarded (a failure
 is recorded in the summary and the next phase runs), one JSON summary on
 stdout at the end:
 
-1. MFU: the ~1B GPT of configs/gpu-1b-8gpu.toml (resilient.model.GPT) on one
+1. MFU: the ~1B GPT of configs/gpu-1b-8gpu.toml (resilient.gpt.model.GPT) on one
    GPU, fp32 master weights, bf16 autocast (what the trainer does at dp=1),
    SDPA forced to the flash kernel (falls back to SDPA's own choice, and says
    so, if flash refuses), fused AdamW, random tokens. MFU = achieved model
-   FLOP/s (resilient.model.flops_per_token) / the device's dense bf16 peak.
+   FLOP/s (resilient.gpt.model.flops_per_token) / the device's dense bf16 peak.
 2. Snapshot stall: the same loop with ``Snapshotter.save`` of parameters +
    Adam state (~13 GB) every step, blocking (``overlap=False``) and with the
    side-stream copy (``overlap=True`` + ``fence()`` before ``optimizer.step``);
@@ -86,8 +86,8 @@ class Profile:
     def __init__(self, args: argparse.Namespace):
         import torch
 
-        from resilient.config import load_config
-        from resilient.model import GPT, cross_entropy, flops_per_token
+        from resilient.gpt.config import load_config
+        from resilient.gpt.model import GPT, cross_entropy, flops_per_token
         from resilient.progress import device_peak_tflops
 
         self.torch, self.args, self.t_start = torch, args, time.time()

@@ -354,7 +354,7 @@ def _train_steps(sc: Scenario) -> int | None:
         key, _, val = item.partition("=")
         if key.strip() == "train.steps":
             return int(val)
-    from resilient.config import load_config
+    from resilient.gpt.config import load_config
     from resilient.errors import ConfigError
     try:
         return load_config(sc.training.config).train.steps

@@ -527,7 +527,7 @@ class LocalJob:
 
 def _store_dir(config: Path, overrides: list[str]) -> str:
     """snapshot.store_dir of the job's resolved config (/dev/shm by default)."""
-    from resilient.config import load_config
+    from resilient.gpt.config import load_config
 
     return str(getattr(load_config(config, overrides).snapshot, "store_dir", SHM_DIR))
 

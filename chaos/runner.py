@@ -36,6 +36,7 @@ from typing import Any
 
 from resilient.errors import ConfigError
 from resilient.procs import ignore_stop_signals
+from resilient.shipped import shipped_config
 
 from .campaign import evaluate
 from .infra import Infra
@@ -56,8 +57,8 @@ def resolve_config(sc: Scenario) -> Path:
     to the scenario file, or to the repository root (shipped scenarios say
     ``configs/demo.toml``)."""
     p = Path(sc.training.config).expanduser()
-    for cand in (p, Path.cwd() / p, Path(sc.source).parent / p, REPO / p):
-        if cand.is_file():
+    for cand in (p, Path.cwd() / p, Path(sc.source).parent / p, REPO / p, shipped_config(p)):
+        if cand is not None and cand.is_file():
             return cand.resolve()
     raise ConfigError(f"{sc.source}: training.config {sc.training.config!r} not found (relative to the working directory, the scenario or {REPO})")
 

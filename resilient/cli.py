@@ -1,10 +1,12 @@
 """The ``resilient`` command: a thin dispatcher to the subcommands.
 
+    resilient launch [OPTIONS] SCRIPT [ARGS...] | -m MODULE [ARGS...]
     resilient launch CONFIG [--run-dir DIR] [--set k=v ...]
     resilient data prepare SRC OUT
     resilient config [CONFIG] [--explain] [--set k=v ...]
     resilient ckpt ls|inspect|verify|reshard|convert|import|diff|gc ...
     resilient chaos run SCENARIO [--out DIR] | report DIR
+    resilient doctor [CONFIG] [--rdzv-endpoint HOST:PORT] [--run-dir DIR]
 
 Each subcommand's code lives in its own module; this file only parses the
 first word and maps typed errors to a one-line message and exit code 2.
@@ -20,19 +22,27 @@ from resilient.errors import ResilientError
 
 
 def _cmd_launch(argv: list[str]) -> int:
+    from resilient import launch  # light: parses before anything imports torch
     from resilient.agent import warm
 
-    if warm.wants_zygote(argv):
-        warm.start_early()  # its torch import overlaps ours (see warm.start_early)
-    from resilient import launch
+    from resilient.gpt.program import GPT_PRELOAD, gpt_program  # light: imports no torch
 
-    ap = argparse.ArgumentParser(prog="resilient launch", description="Run a training job.")
-    launch.add_arguments(ap)
-    return launch.launch(ap.parse_args(argv))
+    args = launch.parse_args(argv)
+    if warm.wants_zygote(argv):
+        # its torch import overlaps ours (see warm.start_early)
+        warm.start_early(GPT_PRELOAD if args.form == "gpt" else launch.script_preload())
+    try:
+        return launch.launch(args, gpt=gpt_program)
+    finally:
+        early = warm.take_early()  # not adopted: the launch failed before its agent started
+        if early is not None:
+            from resilient.agent.pool import discard_early
+
+            discard_early(early)
 
 
 def _cmd_data(argv: list[str]) -> int:
-    from resilient.data import main_prepare
+    from resilient.gpt.data import main_prepare
 
     if not argv or argv[0] != "prepare":
         print("usage: resilient data prepare SRC OUT [--max-bytes N]", file=sys.stderr)
@@ -41,7 +51,7 @@ def _cmd_data(argv: list[str]) -> int:
 
 
 def _cmd_config(argv: list[str]) -> int:
-    from resilient.config import explain_all, load_config
+    from resilient.gpt.config import explain_all, load_config
 
     ap = argparse.ArgumentParser(prog="resilient config", description="Show a resolved config, or every knob.")
     ap.add_argument("config", nargs="?", help="run config (TOML)")
@@ -70,6 +80,13 @@ def _cmd_chaos(argv: list[str]) -> int:
     return chaos_main(argv)
 
 
+def _cmd_doctor(argv: list[str]) -> int:
+    from resilient.doctor import main as doctor_main
+    from resilient.gpt.config import load_config  # the GPT's configs: handed down, as launch hands gpt_program
+
+    return doctor_main(argv, load_config)
+
+
 def _cmd_quarantine(argv: list[str]) -> int:
     from resilient.agent.quarantine import main as quarantine_main
 
@@ -83,6 +100,7 @@ COMMANDS = {
     "quarantine": (_cmd_quarantine, "list or clear nodes quarantined for silent data corruption"),
     "data": (_cmd_data, "prepare a token corpus"),
     "config": (_cmd_config, "show or explain a run config"),
+    "doctor": (_cmd_doctor, "check this node (shm, open files, etcd, clock, disk, GPUs) before launching"),
 }
 
 

@@ -138,7 +138,11 @@ def read_toml(path: str | os.PathLike, what: str) -> dict:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise
+        from resilient.shipped import shipped_config  # `configs/NAME.toml` outside a checkout: the wheel's copy
+
+        if (shipped := shipped_config(path)) is None:
+            raise
+        return read_toml(shipped, what)
     except IsADirectoryError:
         raise ConfigError(f"{what} {path} is a directory; pass a TOML file") from None
     except UnicodeDecodeError as e:

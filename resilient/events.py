@@ -29,7 +29,7 @@ EVENTS = frozenset({
     "snapshot", "commit", "upload", "upload_error", "restore", "restore_fallback", "gc",
     # agent and rendezvous
     "agent_start", "agent_stop", "rendezvous", "workers_started", "failure",
-    "heartbeat_timeout", "evicted", "preemption", "scale", "membership",
+    "heartbeat_timeout", "evicted", "preemption", "scale", "membership", "auth_failure",
     # silent data corruption
     "sdc_suspect", "sdc_replay", "sdc_verdict", "sdc_probe", "sdc_coverage", "quarantine", "rollback",
     # chaos

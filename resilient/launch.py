@@ -1,10 +1,17 @@
-"""``resilient launch CONFIG``: run this node's part of a training job.
+"""``resilient launch``: run this node's part of a training job.
 
-One call per node. It resolves the config (file + ``--set`` overrides),
-validates the layout for every world size the job may take (``--nnodes
-MIN:MAX`` × processes per node) before anything starts, writes the resolved
-config to ``RUN_DIR/config.json`` (what the workers read), finds etcd, and
-runs a :class:`~resilient.agent.agent.ResilientAgent` until the job ends.
+Two forms, one per node, like ``torchrun``::
+
+    resilient launch [OPTIONS] SCRIPT [ARGS...]      a user's script (or -m MODULE)
+    resilient launch CONFIG.toml [OPTIONS]           the built-in GPT
+
+The form decides the :class:`Program`, what the workers run: the script under
+:mod:`resilient.agent.script` (:func:`script_program`), or the GPT's worker
+(:func:`resilient.gpt.program.gpt_program`, handed in by the command line: the runtime never imports the trainer). Everything else
+is shared: every check runs before anything starts; the runtime config
+(``[snapshot]``, ``[sdc]``, ``[launch]``) is written to the run dir as JSON
+for the workers (``RESILIENT_RUNTIME_CONFIG``); then etcd is found and a
+:class:`~resilient.agent.agent.ResilientAgent` runs until the job ends.
 
 etcd: ``--rdzv-endpoint HOST:PORT[,...]`` uses an existing cluster (a real
 fleet: three or five members, so no node is a single point of failure).
@@ -12,40 +19,190 @@ Without it, the first agent on a machine starts an embedded etcd and writes
 its endpoint to ``RUN_DIR/etcd.endpoint``; other agents given the same run
 dir join through that file. The embedded etcd lives in the first agent's
 process tree: losing that node ends the job for everyone (see the README).
+
+This module imports no torch at import time: ``resilient launch`` parses its
+command line and starts its warm zygote before the heavy imports.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from resilient.config import Config, load_config
 from resilient.errors import ConfigError, LaunchError
+from resilient.launch_args import LaunchUsageError, add_arguments, parse_args  # noqa: F401  (the command line)
+
+if TYPE_CHECKING:
+    from resilient.runconfig import LaunchConfig, RuntimeConfig
+    from resilient.snapshot.config import SnapshotConfig
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("config", help="run config (TOML), e.g. configs/demo.toml")
-    ap.add_argument("--run-dir", default=None, help="where events, config and checkpoints go (default: runs/<config name>)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key, e.g. --set train.steps=100 (repeatable)")
-    ap.add_argument("--nproc-per-node", type=int, default=None, help="worker processes on this node (default: from the config)")
-    ap.add_argument("--nnodes", default=None, help="N or MIN:MAX nodes (default: launch.nnodes from the config)")
-    ap.add_argument("--node-id", default=None, help="this node's name (default: hostname); lets several agents share a machine")
-    ap.add_argument("--domain", default="", help="failure domain of this node (rack, zone): peer replicas go elsewhere")
-    ap.add_argument("--rdzv-endpoint", default=None, help="etcd HOST:PORT[,HOST:PORT...]; default: an embedded etcd")
-    ap.add_argument("--rdzv-conf", default="", help="extra rendezvous settings k=v,k=v (TLS, username, timeouts)")
-    ap.add_argument("--run-id", default=None, help="job id shared by all nodes (default: derived from the run dir)")
+@dataclass
+class Program:
+    """What this node's workers run: all that differs between the built-in GPT and a
+    user's script. The rest (etcd, rendezvous, agent, environment) is the same."""
+
+    entry: str                      # module whose main(argv) runs one worker (resilient.agent.warm)
+    preload: tuple[str, ...]        # imported once by the warm zygote: "module" or "module:function"
+    runtime: RuntimeConfig          # [snapshot], [sdc], [launch]: to the workers as RESILIENT_RUNTIME_CONFIG
+    job_digest: str                 # what every node of the job must agree on (refuse_other_jobs)
+    nproc: int                      # workers per node when --nproc-per-node is not given
+    describe: str                   # one line for the banner
+    name: str                       # the default run dir is runs/<name>
+    heartbeats: bool                # beats from its first step (AgentSettings.worker_heartbeats)
+    argv: Callable[[Path, str], list[str]]  # (run dir, node id) -> the workers' argv; may write what they read
+    params: int | None = None       # the model's parameters, when the program knows (preflight: the store's size)
+    device: str = "auto"            # what the workers train on: cpu, cuda, auto (preflight: the devices)
+
+
+def _digest(doc: dict) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# -- a user's script ----------------------------------------------------------------------
+
+SCRIPT_ENTRY = "resilient.agent.script"
+# What torchrun scripts import on their way to the first step (DDP, FSDP2), and our runner.
+SCRIPT_PRELOAD = ("torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp", SCRIPT_ENTRY)
+
+
+def script_preload() -> tuple[str, ...]:
+    """:data:`SCRIPT_PRELOAD`, and the public job API where this install has it."""
+    import importlib.util
+
+    return SCRIPT_PRELOAD + (("resilient.job",) if importlib.util.find_spec("resilient.job") else ())
+
+
+def script_program(args: argparse.Namespace) -> Program:
+    """A user's script (or ``-m`` module) and its runtime config (``--config``, ``--set``)."""
+    from resilient.runconfig import load_runtime_config
+
+    if args.runtime_config is not None and Path(args.runtime_config).suffix == ".py":
+        raise ConfigError(
+            f"--config {args.runtime_config} is a Python file: --config takes a runtime config (TOML with "
+            f"[snapshot], [sdc], [launch]); the script goes last: resilient launch [--config RUNTIME.toml] "
+            f"{args.runtime_config} [ARGS...]")
+    runtime = load_runtime_config(args.runtime_config, args.overrides)
+    if args.module:
+        check_module(args.target)
+    else:
+        check_script(args.target)
+    argv = (["-m"] if args.module else []) + [args.target, *args.script_args]
+    what = "module" if args.module else "script"
+    return Program(entry=SCRIPT_ENTRY, preload=script_preload(), runtime=runtime,
+                   job_digest=_digest({what: args.target, "args": args.script_args, "sdc": runtime.to_dict()["sdc"]}),
+                   nproc=runtime.launch.nproc_per_node or 1, describe=f"{what} {shlex.join([args.target, *args.script_args])}",
+                   name=args.target.rpartition(".")[2] if args.module else Path(args.target).stem,
+                   heartbeats=False, argv=lambda run_dir, node: argv)
+
+
+def check_script(path: str) -> None:
+    """A :class:`ConfigError` unless ``path`` is a script Python can run; a syntax error is
+    found here, not by every worker after the rendezvous."""
+    import zipfile
+
+    p = Path(path)
+    usage = "resilient launch [OPTIONS] SCRIPT [ARGS...]"
+    if not p.exists():
+        raise ConfigError(f"script {path} does not exist (looked from {os.getcwd()}); pass the path of "
+                          f"your training script: {usage}")
+    if p.is_dir():
+        if not (p / "__main__.py").is_file():
+            raise ConfigError(f"script {path} is a directory without a __main__.py; pass the script: {usage}")
+        return
+    if zipfile.is_zipfile(p):
+        return  # a zip application, as python runs it
+    try:
+        source = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read script {path}: {e.strerror or e}; check its permissions") from None
+    not_a_script = ConfigError(f"{path} is a TOML file, not a Python script: a GPT run config is launched as "
+                               "resilient launch CONFIG.toml (named *.toml), a runtime config goes after --config")
+    if p.suffix != ".py" and _is_toml(source):  # "[model]\ndim = 8" even compiles as Python
+        raise not_a_script
+    try:
+        compile(source, str(p), "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as e:
+        if _is_toml(source):
+            raise not_a_script from None
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        raise ConfigError(f"script {path} is not valid Python: {getattr(e, 'msg', e)}{where}") from None
+
+
+def _is_toml(source: bytes) -> bool:
+    """A non-empty TOML document (what a config, not a script, is)."""
+    import tomllib
+
+    try:
+        return bool(tomllib.loads(source.decode()))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False
+
+
+def check_module(name: str) -> None:
+    """A :class:`ConfigError` unless ``-m name`` can be found as ``python -m`` finds it (the
+    current directory first). Only the top-level package is looked up: finding a submodule
+    would import (run) its package here."""
+    import importlib.util
+
+    if name.endswith(".py") or not all(part.isidentifier() for part in name.split(".")):
+        raise ConfigError(f"-m {name!r} is not a module name (a script's path goes without -m): "
+                          "resilient launch [OPTIONS] -m MODULE [ARGS...]")
+    top = name.partition(".")[0]
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:
+        found = importlib.util.find_spec(top) is not None
+    finally:
+        sys.path.remove(cwd)
+    if not found:
+        raise ConfigError(f"-m {name}: no module named {top!r} in {cwd} or the installed packages")
+
+
+# -- shared by both forms -----------------------------------------------------------------
+
+def _nproc(value: str | None) -> int | None:
+    """``--nproc-per-node``: a number, or torchrun's gpu / cpu / auto."""
+    if value is None:
+        return None
+    if value in ("gpu", "cpu", "auto"):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if value == "gpu" and not gpus:
+            raise ConfigError("--nproc-per-node gpu: this machine has no CUDA device; pass a number or cpu")
+        return gpus if value == "gpu" or (value == "auto" and gpus) else (os.cpu_count() or 1)
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"--nproc-per-node {value!r}: expected a number, or gpu, cpu, auto") from None
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node must be ≥ 1, got {n}")
+    return n
+
+
+def node_counts(args: argparse.Namespace, launch_cfg: LaunchConfig, default_nproc: int) -> tuple[int, tuple[int, int]]:
+    """(workers on this node, (min, max) nodes): the flags over the ``[launch]`` knobs."""
+    from resilient.agent.api import parse_nnodes
+
+    if args.standalone and (args.rdzv_endpoint or args.nnodes not in (None, "1", "1:1")):
+        raise LaunchUsageError("--standalone is a one-node job with its own etcd: drop --rdzv-endpoint and --nnodes")
+    nnodes = (1, 1) if args.standalone else parse_nnodes(args.nnodes or launch_cfg.nnodes)
+    return _nproc(args.nproc_per_node) or default_nproc, nnodes
 
 
 def worker_env(nproc: int) -> dict[str, str]:
@@ -71,49 +228,70 @@ def check_name(flag: str, value: str) -> str:
     return value
 
 
-def prepare_run(args: argparse.Namespace) -> tuple[Config, Path, Path, int, tuple[int, int]]:
-    """(config, run dir, the config file this node's workers read, nproc, (min, max) nodes)."""
-    from resilient.agent.api import parse_nnodes
+@dataclass
+class Run:
+    """One node's launch, resolved: the program and where and how many."""
 
+    program: Program
+    run_dir: Path
+    node: str
+    nproc: int
+    nnodes: tuple[int, int]
+    max_restarts: int
+    worker_argv: list[str]
+    runtime_config: Path            # the RuntimeConfig JSON the workers read
+
+
+ProgramFactory = Callable[[argparse.Namespace], Program]
+
+
+def prepare_run(args: argparse.Namespace, gpt: ProgramFactory | None = None) -> Run:
+    """Every check, then the run dir and the files the workers read. Nothing starts here.
+
+    ``gpt``: what runs a run config (``resilient launch CONFIG.toml``): the built-in trainer's
+    :func:`resilient.gpt.program.gpt_program`, handed in by the command line, so that this
+    runtime module never imports the trainer that uses it."""
     for flag, value in (("--node-id", args.node_id), ("--run-id", args.run_id)):
         if value is not None:
             check_name(flag, value)
-    cfg = load_config(args.config, args.overrides)
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node must be ≥ 1, got {args.nproc_per_node}")
-    nproc = args.nproc_per_node or cfg.default_world_size()
-    nnodes = parse_nnodes(args.nnodes or cfg.launch.nnodes)
-    bad = []
-    for n in range(nnodes[0], nnodes[1] + 1):
-        try:
-            cfg.validate_layout(n * nproc)
-        except ConfigError as e:
-            bad.append(f"{n} node(s) × {nproc} = {n * nproc} processes: {e}")
-    if bad:
-        raise ConfigError("the layout does not fit every world size this job may take:\n  " + "\n  ".join(bad))
-    from resilient.data import check_corpus  # imports torch: after the quick checks
-
-    check_corpus(cfg.data.path, cfg.data.source)  # before etcd and workers start, not in each worker
-    run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem).resolve()
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
+    if args.form == "gpt":
+        if gpt is None:
+            raise LaunchError(f"{args.config}: this launcher has no built-in trainer to run a run config with; "
+                              "launch a script instead (resilient launch [OPTIONS] SCRIPT [ARGS...])")
+        program = gpt(args)
+    else:
+        program = script_program(args)
+    lc = program.runtime.launch
+    nproc, nnodes = node_counts(args, lc, program.nproc)
+    max_restarts = lc.max_restarts if args.max_restarts is None else args.max_restarts
+    # What the workers read is what this node runs: the flags over the [launch] knobs (a copy:
+    # the GPT's own config is written as it was resolved).
+    program.runtime = dataclasses.replace(program.runtime, launch=dataclasses.replace(
+        lc, nproc_per_node=nproc, nnodes=f"{nnodes[0]}:{nnodes[1]}", max_restarts=max_restarts))
+    node = args.node_id or socket.gethostname()
+    run_dir = Path(args.run_dir or Path("runs") / program.name).resolve()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        return cfg, run_dir, write_config(cfg, run_dir), nproc, nnodes
+        runtime_config = write_content_addressed(run_dir, "runtime", program.runtime.to_json())
+        worker_argv = program.argv(run_dir, node)
     except OSError as e:
         raise LaunchError(f"cannot use run dir {run_dir}: {e.strerror or e}; pass --run-dir with a writable "
                           "directory (it holds the events, the config and the checkpoints)") from e
+    return Run(program, run_dir, node, nproc, nnodes, max_restarts, worker_argv, runtime_config)
 
 
-def write_config(cfg: Config, run_dir: Path) -> Path:
-    """Write the resolved config for this node's workers; returns its path.
+def write_content_addressed(run_dir: Path, stem: str, doc: str) -> Path:
+    """Write ``doc`` as ``RUN_DIR/<stem>-<hash>.json`` (what this node's workers read; its
+    path is returned) and ``<stem>.json`` (the newest, for people and tools), each by rename.
 
-    Why content-addressed (``config-<hash>.json``) and written by rename: nodes of a
-    job share the run dir here (and on a shared filesystem), and a node's config may
-    differ in node-local fields (its store address). One ``config.json`` rewritten by
-    every agent at start let a node's workers read another node's config, or half of
-    one. ``config.json`` is still written (atomically), for people and tools."""
-    doc = json.dumps(cfg.to_dict(), indent=1)
-    path = run_dir / f"config-{hashlib.sha256(doc.encode()).hexdigest()[:16]}.json"
-    for target in (path, run_dir / "config.json"):
+    Why content-addressed: nodes of a job share the run dir here (and on a shared
+    filesystem), and a node's config may differ in node-local fields (its store address).
+    One file rewritten by every agent at start let a node's workers read another node's
+    config, or half of one."""
+    path = run_dir / f"{stem}-{hashlib.sha256(doc.encode()).hexdigest()[:16]}.json"
+    for target in (path, run_dir / f"{stem}.json"):
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
             tmp.write_text(doc)
@@ -123,40 +301,42 @@ def write_config(cfg: Config, run_dir: Path) -> Path:
     return path
 
 
-def refuse_other_jobs(registry, cfg: Config, ttl: timedelta) -> None:
-    """Raise :class:`ConfigError` when a live node of this run launched another job config.
+def refuse_other_jobs(registry, digest: str, ttl: timedelta) -> None:
+    """Raise :class:`ConfigError` when a live node of this run launched another job.
 
-    Nodes that disagree on the model, layout, schedule, data or SDC checks would train
-    different things in one job: a crash at best (shapes), silently wrong at worst (an
-    lr). A node that just died may still be listed until its lease lapses, so a
-    mismatch is re-checked once after ``ttl`` before refusing (a quick restart of the
-    whole job with a new config must not be refused)."""
-    mine = cfg.job_digest()
+    Nodes that disagree on what they train (the GPT's model, layout, schedule, data; a
+    script, its arguments) or on the SDC checks would train different things in one job:
+    a crash at best (shapes), silently wrong at worst (an lr). A node that just died may
+    still be listed until its lease lapses, so a mismatch is re-checked once after
+    ``ttl`` before refusing (a quick restart of the whole job with a new config must not
+    be refused)."""
     for attempt in range(2):
         nodes = registry.alive() or {}
         other = {n: d.get("job") for n, d in nodes.items()
-                 if n != registry.node_id and d.get("job") not in (None, mine)}
+                 if n != registry.node_id and d.get("job") not in (None, digest)}
         if not other:
             return
         if attempt == 0:
             time.sleep(ttl.total_seconds() + 0.5)
     raise ConfigError(
-        f"node(s) {sorted(other)} of this run were launched with another config (job digest "
-        f"{sorted(set(other.values()))}, this node {mine}): every node of a job must agree on "
-        "[model], [parallel], [train], [data] and [sdc]. Launch this node with the same config "
-        "file and --set overrides as the others, or give it another --run-id.")
+        f"node(s) {sorted(other)} of this run were launched with another job (job digest "
+        f"{sorted(set(other.values()))}, this node {digest}): every node of a job must agree on what it "
+        "trains and on [sdc]: the built-in GPT's [model], [parallel], [train] and [data]; a script, its "
+        "arguments. Launch this node with the same command line, config file and --set overrides as the "
+        "others, or give it another --run-id.")
 
 
 @contextlib.contextmanager
 def etcd_endpoint(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
-    """The etcd to rendezvous through: given, shared through the run dir, or our own."""
+    """The etcd to rendezvous through: given, shared through the run dir, or our own
+    (``--standalone``: always our own, shared with nobody)."""
     from resilient.etcd import EmbeddedEtcd, EtcdClient, EtcdError
 
     if args.rdzv_endpoint:
         yield args.rdzv_endpoint
         return
     shared = run_dir / "etcd.endpoint"
-    if shared.exists():
+    if shared.exists() and not args.standalone:
         endpoint = shared.read_text().strip()
         try:
             with EtcdClient(endpoint, retry_timeout=timedelta(seconds=1)) as c:
@@ -166,6 +346,9 @@ def etcd_endpoint(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
         except EtcdError:
             pass  # a stale file from an ended run: start our own
     with EmbeddedEtcd() as etcd:
+        if args.standalone:
+            yield etcd.endpoint
+            return
         shared.write_text(etcd.endpoint)
         print(f"resilient: embedded etcd at {etcd.endpoint} (other nodes: --rdzv-endpoint {etcd.endpoint} "
               f"or the same --run-dir)", file=sys.stderr)
@@ -208,11 +391,10 @@ def worker_etcd_conf(conf: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in conf.items() if k in _ETCD_KEYS}
 
 
-def store_settings(cfg: Config):
-    """The node store's settings, or None when the memory tiers are off."""
+def store_settings(snap: SnapshotConfig):
+    """The node store's settings from ``[snapshot]``, or None when the memory tiers are off."""
     from resilient.agent.store import StoreSettings
 
-    snap = cfg.snapshot
     if snap.every <= 0 or not snap.memory:
         return None
     return StoreSettings(base=snap.store_dir, replicas=snap.replicas, keep=snap.store_keep,
@@ -226,8 +408,15 @@ def _raise_on_signal(signum, frame):
     raise SignalException(f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
-def launch(args: argparse.Namespace) -> int:
-    cfg, run_dir, config_path, nproc, nnodes = prepare_run(args)
+def launch(args: argparse.Namespace, gpt: ProgramFactory | None = None) -> int:
+    """Run this node until the job ends; ``args`` from :func:`parse_args`."""
+    run = prepare_run(args, gpt)
+    from resilient.preflight import check_before_launch  # a FAIL raises: etcd, store, workers not started
+
+    check_before_launch(args, run)
+    if args.node_rank is not None:
+        print(f"resilient: --node-rank {args.node_rank} ignored: the rendezvous orders the nodes "
+              "(as under torchrun with a dynamic rendezvous backend)", file=sys.stderr)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     # From here a signal at any point (etcd starting, the job check's wait, the agent's
@@ -235,13 +424,12 @@ def launch(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_on_signal)
     try:
-        return _run_node(args, cfg, run_dir, config_path, nproc, nnodes)
+        return _run_node(args, run)
     except SignalException as e:
         return 128 + int(e.sigval)
 
 
-def _run_node(args: argparse.Namespace, cfg: Config, run_dir: Path, config_path: Path, nproc: int,
-              nnodes: tuple[int, int]) -> int:
+def _run_node(args: argparse.Namespace, run: Run) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
@@ -251,16 +439,19 @@ def _run_node(args: argparse.Namespace, cfg: Config, run_dir: Path, config_path:
     from resilient.agent.quarantine import Quarantine
     from resilient.events import EventLog
     from resilient.rendezvous import client_from_params, register
+    from resilient.secret import provide_job_secret
 
-    lc = cfg.launch
-    min_nodes, max_nodes = nnodes
-    node = args.node_id or socket.gethostname()
+    program, run_dir, node, nproc = run.program, run.run_dir, run.node, run.nproc
+    lc = program.runtime.launch
+    min_nodes, max_nodes = run.nnodes
     run_id = args.run_id or default_run_id(run_dir)
     events = EventLog(run_dir / "events.jsonl", node=node, rank=-1)
-    env = worker_env(nproc)
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"})
+    # The job secret (given, or RUN_DIR/job.secret), named in the environment for the rendezvous,
+    # registry, quarantine and node store of this process and for the workers: resilient.secret.
+    provide_job_secret(run_dir, getattr(args, "secret_file", None))
     print(f"resilient: node {node}, {nproc} workers, {min_nodes}:{max_nodes} nodes, "
-          f"{cfg.model.num_params() / 1e6:.2f}M parameters, run dir {run_dir}", file=sys.stderr)
+          f"{program.describe}, run dir {run_dir}", file=sys.stderr)
 
     with etcd_endpoint(args, run_dir) as endpoint:
         register()
@@ -273,7 +464,7 @@ def _run_node(args: argparse.Namespace, cfg: Config, run_dir: Path, config_path:
         settings = AgentSettings(
             node_id=node, run_dir=str(run_dir), min_nodes=min_nodes, max_nodes=max_nodes,
             nproc_per_node=nproc, spares=nproc if lc.spares < 0 else lc.spares,
-            max_restarts=lc.max_restarts, domain=args.domain,
+            max_restarts=run.max_restarts, domain=args.domain,
             monitor_interval=timedelta(seconds=lc.monitor_interval),
             heartbeat_timeout=timedelta(seconds=lc.heartbeat_timeout),
             startup_timeout=timedelta(seconds=lc.startup_timeout),
@@ -283,19 +474,20 @@ def _run_node(args: argparse.Namespace, cfg: Config, run_dir: Path, config_path:
             run_id=run_id, etcd_endpoint=endpoint,
             etcd_factory=lambda: client_from_params(params),
             etcd_conf=worker_etcd_conf(_rdzv_conf(args.rdzv_conf)),
-            store=store_settings(cfg),
-            worker_argv=["--config", str(config_path), "--run-dir", str(run_dir), "--node", node],
-            worker_env=env,
+            store=store_settings(program.runtime.snapshot),
+            worker_entry=program.entry, worker_argv=run.worker_argv, worker_preload=program.preload,
+            worker_env=worker_env(nproc), worker_heartbeats=program.heartbeats,
+            runtime_config=str(run.runtime_config),
         )
         spec = WorkerSpec(role="trainer", local_world_size=nproc, rdzv_handler=handler,
-                          entrypoint=sys.executable, args=(), max_restarts=lc.max_restarts,
+                          entrypoint=sys.executable, args=(), max_restarts=run.max_restarts,
                           monitor_interval=lc.monitor_interval)
         try:
             registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
             Quarantine(client, run_id).refuse_if_quarantined(node, endpoint)
-            registry.claim(job=cfg.job_digest())
+            registry.claim(job=program.job_digest)
             try:
-                refuse_other_jobs(registry, cfg, timedelta(seconds=lc.node_lease_ttl))
+                refuse_other_jobs(registry, program.job_digest, timedelta(seconds=lc.node_lease_ttl))
                 agent = ResilientAgent(spec, settings, registry, events)
             except BaseException:
                 registry.leave()  # our claim must not hold the node id for a lease ttl
@@ -313,4 +505,3 @@ def _run_node(args: argparse.Namespace, cfg: Config, run_dir: Path, config_path:
             raise LaunchError(f"training failed: {agent.give_up_reason(result)}; see {run_dir / 'events.jsonl'}")
         handler.shutdown()
     return 0
-

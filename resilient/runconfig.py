@@ -1,7 +1,7 @@
 """The runtime's own knobs: ``[snapshot]``, ``[sdc]`` and ``[launch]``.
 
 These are the sections every job has, whatever it trains: the built-in GPT's
-run config (:mod:`resilient.config`) holds them next to its model and data
+run config (:mod:`resilient.gpt.config`) holds them next to its model and data
 sections, and a user's script launched with ``resilient launch SCRIPT`` takes
 them from ``--config FILE.toml`` (holding only these sections) and ``--set``.
 The launcher resolves them once and hands them to the workers as JSON
@@ -20,6 +20,10 @@ from resilient.configbase import knob, load_section, read_toml, section_to_dict
 from resilient.errors import ConfigError
 from resilient.sdc.api import SdcConfig
 from resilient.snapshot.config import SnapshotConfig
+
+__all__ = ["RuntimeConfig", "SnapshotConfig", "SdcConfig", "LaunchConfig", "load_runtime_config",
+           "runtime_config_from_dict", "runtime_config_from_env", "apply_overrides", "RUNTIME_SECTIONS",
+           "RUNTIME_CONFIG_ENV"]
 
 # The sections a runtime config may hold; any other (model, train, ...) belongs to a
 # trainer's own config.

@@ -9,10 +9,27 @@ import pytest
 from launchutil import CORPUS_TEXT_BYTES
 
 
+@pytest.fixture(scope="session", autouse=True)
+def reclaim_what_killed_agents_leave():
+    """At the end of the session, remove the node-store trees in /dev/shm and the agents'
+    heartbeat dirs whose owner process is dead (tests kill agents with -9). A later agent
+    reclaims them anyway, but after the last test there is none. Live owners (another
+    session's tests on this machine) are left alone."""
+    yield
+    import tempfile
+
+    from resilient.procs import reclaim_dirs
+    from resilient.snapshot.nodestore import reclaim_any
+
+    if os.path.isdir("/dev/shm"):
+        reclaim_any("/dev/shm")
+    reclaim_dirs(tempfile.gettempdir(), "resilient-agent-")
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small byte-level corpus built from the Python standard library."""
-    from resilient.data import prepare
+    from resilient.gpt.data import prepare
 
     return prepare("python-stdlib", tmp_path_factory.mktemp("corpus"), max_bytes=CORPUS_TEXT_BYTES)
 
@@ -51,6 +68,20 @@ def s3_endpoint():
     finally:
         server.stop()
         mp.undo()
+
+
+@pytest.fixture
+def job_secret(monkeypatch):
+    """A fresh job secret in this process's environment (``$RESILIENT_JOB_SECRET``), as a
+    scheduler would provide it; child processes inherit it. Returns the :class:`JobSecret`."""
+    import secrets
+
+    from resilient.secret import SECRET_ENV, SECRET_FILE_ENV, JobSecret
+
+    value = secrets.token_hex(32)
+    monkeypatch.setenv(SECRET_ENV, value)
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    return JobSecret(value.encode(), SECRET_ENV)
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ def train_and_snapshot(url: str, steps=(2, 4), chunk_bytes: int = 4096, part_byt
     """A few real training steps of a tiny GPT, snapshotted at ``steps`` with the model config in extra."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from resilient.config import ModelConfig
-    from resilient.model import GPT, cross_entropy
+    from resilient.gpt.config import ModelConfig
+    from resilient.gpt.model import GPT, cross_entropy
     from resilient.snapshot import Snapshotter
 
     torch.manual_seed(0)

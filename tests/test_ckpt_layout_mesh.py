@@ -1,5 +1,5 @@
 """layouts.py against the real thing: on a 4-process (dp=2, tp=2) mesh built by
-``resilient.parallel.build_model`` (TP, then FSDP2: strided shards), every parameter's
+``resilient.gpt.parallel.build_model`` (TP, then FSDP2: strided shards), every parameter's
 local boxes on every rank are exactly what ``layouts.rank_boxes`` predicts."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ MODEL = {"vocab_size": 96, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 96
 
 
 def worker(rank: int, world: int, store: str, result: str) -> None:
-    from resilient.config import config_from_dict
-    from resilient.parallel import build_layout, build_model
+    from resilient.gpt.config import config_from_dict
+    from resilient.gpt.parallel import build_layout, build_model
     from resilient.snapshot.boxes import local_pieces
     from resilient_tools.layouts import ModelShape, Target, rank_boxes
 

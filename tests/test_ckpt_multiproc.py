@@ -1,5 +1,5 @@
 """Checkpoints written by 2 real gloo processes (FSDP2 dp=2, and tensor parallel tp=2) through the
-worker's own parallel stack (``resilient.parallel.build_model``): the tools read them, reshard them
+worker's own parallel stack (``resilient.gpt.parallel.build_model``): the tools read them, reshard them
 bitwise, and ``layouts.rank_boxes`` predicts exactly the boxes each rank wrote (keeps layouts.py in
 step with parallel.py).
 """
@@ -30,9 +30,9 @@ MODEL = {"vocab_size": 96, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 96
 def worker(rank: int, world: int, store: str, url: str, tp: int) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from resilient.config import config_from_dict
-    from resilient.model import cross_entropy
-    from resilient.parallel import build_layout, build_model
+    from resilient.gpt.config import config_from_dict
+    from resilient.gpt.model import cross_entropy
+    from resilient.gpt.parallel import build_layout, build_model
     from resilient.snapshot import Snapshotter
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,

@@ -24,8 +24,8 @@ def runtime_state():
     """A tiny GPT after one AdamW step, as ``TrainState._build_state`` shapes it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from resilient.config import ModelConfig
-    from resilient.model import GPT, cross_entropy
+    from resilient.gpt.config import ModelConfig
+    from resilient.gpt.model import GPT, cross_entropy
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=96, dim=64, n_layers=4, n_heads=4))

@@ -63,8 +63,8 @@ def test_reshard_roundtrip_bitwise(ckpt, tmp_path, capsys, to):
 def test_resharded_version_restores_through_snapshotter(ckpt, tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from resilient.config import ModelConfig
-    from resilient.model import GPT
+    from resilient.gpt.config import ModelConfig
+    from resilient.gpt.model import GPT
     from resilient.snapshot import Snapshotter
 
     out = tmp_path / "out"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from resilient.config import explain_all, load_config
+from resilient.gpt.config import explain_all, load_config
 from resilient.errors import ConfigError
 
 from launchutil import REPO

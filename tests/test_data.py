@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from resilient.data import TokenCorpus, ensure_corpus, prepare
+from resilient.gpt.data import TokenCorpus, ensure_corpus, prepare
 from resilient.errors import DataError
 
 
@@ -144,7 +144,7 @@ def test_read_only_out_is_a_data_error_and_cleans_up(tmp_path, monkeypatch):
     def replace(a, b):  # tests run as root, so chmod cannot make a folder read-only
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(b))
 
-    monkeypatch.setattr("resilient.data.os.replace", replace)
+    monkeypatch.setattr("resilient.gpt.data.os.replace", replace)
     with pytest.raises(DataError, match="cannot write the corpus in .*Read-only file system.*writable"):
         prepare(str(tmp_path / "a.txt"), tmp_path / "out")
     assert list((tmp_path / "out").iterdir()) == []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import threading
 import warnings
 from datetime import timedelta
 
@@ -67,12 +67,28 @@ def test_silently_torn_writes_are_caught_by_the_size_check(tmp_path):
 def test_outage_never_blocks_or_kills_training_and_recovery_commits(tmp_path):
     plan = FaultPlan(error_rate=1.0)
     snap, url = snapper(tmp_path, plan)
+    # Uploads are held at their first storage fault until the saves have returned: a save
+    # that waited for its upload would never return (and the test would time out).
+    held, main, on_main = threading.Event(), threading.current_thread(), []
+
+    def hold(what: str, path: str) -> None:
+        if threading.current_thread() is main:
+            on_main.append(path)
+        else:
+            held.wait(timedelta(seconds=60).total_seconds())
+
+    unlisten = plan.listen(hold)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t0 = time.monotonic()
-        for step in (1, 2, 3):
-            assert snap.save(step, state(step))
-        assert time.monotonic() - t0 < 1.0  # saves return after the host copy
+        try:
+            for step in (1, 2, 3):
+                assert snap.save(step, state(step))
+            assert not on_main  # saves return after the host copy: storage is the uploader's
+            assert not [e for e in read_events(tmp_path / "e.jsonl") if e["event"] == "upload_error"
+                        and not e.get("retrying")]
+        finally:
+            held.set()
+            unlisten()
         snap.wait(timedelta(seconds=60))
     assert any("training goes on" in str(w.message) for w in caught)
     errs = [e for e in read_events(tmp_path / "e.jsonl") if e["event"] == "upload_error" and not e.get("retrying")]

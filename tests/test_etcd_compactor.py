@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from resilient.config import ConfigError, load_config
+from resilient.gpt.config import ConfigError, load_config
 from resilient.etcd.client import EtcdClient
 from resilient.etcd.compactor import HistoryCompactor
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from resilient.config import ModelConfig
-from resilient.model import GPT, cross_entropy, init_parameters
+from resilient.gpt.config import ModelConfig
+from resilient.gpt.model import GPT, cross_entropy, init_parameters
 
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, max_seq_len=32)
 

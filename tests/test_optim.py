@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient.config import TrainConfig
-from resilient.optim import clip_grad_norm, lr_at
+from resilient.gpt.config import TrainConfig
+from resilient.gpt.optim import clip_grad_norm, lr_at
 
 
 def test_warmup_then_cosine():

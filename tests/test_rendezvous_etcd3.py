@@ -31,7 +31,7 @@ from resilient.rendezvous import (
 )
 from resilient.rendezvous.registry import SHARE_STORE_ENV
 
-pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60), pytest.mark.usefixtures("restore_share_env")]
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60), pytest.mark.usefixtures("restore_share_env", "job_secret")]
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from resilient.agent.membership import NodeRegistry, refuses_connections
 from resilient.etcd.testing import unique_run_id
 from resilient.rendezvous import create_etcd3_handler, handler as handler_module
 
-pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120), pytest.mark.usefixtures("restore_share_env")]
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120), pytest.mark.usefixtures("restore_share_env", "job_secret")]
 
 SLOW_KEEP_ALIVE = {"keep_alive_interval": 60, "keep_alive_max_attempt": 3}   # a lapse takes 180 s
 

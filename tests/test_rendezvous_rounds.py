@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from resilient.etcd.testing import unique_run_id
 from resilient.rendezvous import Etcd3Store, RendezvousRoundLost, create_etcd3_handler
 
-pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120), pytest.mark.usefixtures("restore_share_env")]
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120), pytest.mark.usefixtures("restore_share_env", "job_secret")]
 
 # Generous bounds: they separate "noticed the lost round" from "waited out the
 # store timeout" (STORE_TIMEOUT), not fast from slow.

@@ -22,7 +22,7 @@ import pytest
 
 from resilient.etcd.testing import embedded_etcd, kill_group, unique_run_id
 
-pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(150), pytest.mark.usefixtures("job_secret")]
 
 SCRIPT = textwrap.dedent(
     """
@@ -109,6 +109,7 @@ def _run_torchrun_and_kill_a_worker(tmp_path: Path, conf: str, wait_s: float) ->
             "--max-restarts=2",
             "--monitor-interval=0.2",
             "--local-addr=127.0.0.1",
+            f"--log-dir={tmp_path / 'torchelastic'}",  # torch's default is a new /tmp/torchelastic_* each start
             str(script), str(out),
         ]
         log = tmp_path / "torchrun.log"

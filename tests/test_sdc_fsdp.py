@@ -63,7 +63,7 @@ def train(rank, world, seed=0, shape=(16, 32, 8), steps=5, flips=(), mp=None, mo
     """Run ``steps`` steps; apply ``flips`` (FlipSpec dicts; element=None → the
     local median-magnitude element); return decisions and final local params.
     ``packed``: the optimizer state is materialized up front in one flat buffer,
-    as the trainer does (:func:`resilient.optim.init_state`); else Adam creates it
+    as the trainer does (:func:`resilient.gpt.optim.init_state`); else Adam creates it
     lazily, one tensor each."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

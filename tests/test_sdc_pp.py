@@ -1,5 +1,5 @@
 """SDC checks under pipeline parallelism: pp=2 × dp=2 (4 gloo ranks), the real
-training loop (:class:`resilient.train.Trainer`) on the tiny GPT, with the
+training loop (:class:`resilient.gpt.train.Trainer`) on the tiny GPT, with the
 1F1B and the interleaved 1F1B schedule (two stages per rank).
 
 A pipeline schedule reduce-scatters each stage's gradients once per step,
@@ -44,9 +44,9 @@ def train(rank, world, overrides, run_dir):
     """One run of the real training loop on this pool rank; its parameter digest."""
     import signal
 
-    from resilient.config import load_config
+    from resilient.gpt.config import load_config
     from resilient.job import param_digest
-    from resilient.train import Trainer
+    from resilient.gpt.train import Trainer
 
     cfg = load_config(REPO / "configs" / "demo.toml", overrides)
     trainer = Trainer(cfg, run_dir, node="pool")

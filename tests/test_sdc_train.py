@@ -104,6 +104,7 @@ def test_persistent_fault_quarantines_the_node_and_a_spare_takes_over(corpus, tm
     from resilient.etcd import EtcdClient
     from resilient.etcd.testing import embedded_etcd
     from resilient.launch import default_run_id
+    from resilient.secret import RUN_DIR_SECRET, resolve_secret
 
     # the reference ran 2 workers on one node; give these 1-worker nodes the
     # same intra-op thread count so the arithmetic is the same
@@ -126,8 +127,8 @@ def test_persistent_fault_quarantines_the_node_and_a_spare_takes_over(corpus, tm
             assert [v["verdict"] for v in verdicts] == ["persistent"]
             b_rank = next(e["rank"] for e in events(run, "run_start") if e["node"] == "b")
             assert verdicts[0]["suspect_rank"] == b_rank
-            with EtcdClient(etcd.endpoint) as client:
-                record = Quarantine(client, default_run_id(run)).get("b")
+            with EtcdClient(etcd.endpoint) as client:  # the record authenticates with the run dir's secret
+                record = Quarantine(client, default_run_id(run), resolve_secret(run / RUN_DIR_SECRET)).get("b")
             assert record is not None and record["device"] == "b:0"
             for n in ("a", "c"):
                 assert agents[n].wait(300) == 0, agents[n].output()[-3000:]
@@ -143,9 +144,8 @@ def test_persistent_fault_quarantines_the_node_and_a_spare_takes_over(corpus, tm
             assert {e["node"] for e in events(run, "fault_injected")} == {"b"}
             assert digests(run) == digests(reference)
             # the quarantined node is refused until an operator clears it
-            again = Agent(DEMO, run, over, "b", nnodes="2:2", endpoint=etcd.endpoint, nproc=1)
+            again = agents["b again"] = Agent(DEMO, run, over, "b", nnodes="2:2", endpoint=etcd.endpoint, nproc=1)
             assert again.wait(120) == 2 and "quarantined" in again.output()
-            again.close()
         finally:
             for agent in agents.values():
                 agent.close()

@@ -453,7 +453,7 @@ def test_an_inject_spec_the_model_cannot_take_is_refused_at_start(spec, words):
     ("spike_warmup", 80, "never be judged"), ("probe_dtypes", ("float99",), "not a floating-point torch dtype"),
 ])
 def test_sdc_knobs_that_would_break_a_check_are_config_errors(key, value, words):
-    from resilient.config import load_config
+    from resilient.gpt.config import load_config
     from resilient.errors import ConfigError
 
     with pytest.raises(ConfigError, match=words):

@@ -28,3 +28,8 @@ class OutputExists(CkptToolError):
 
 class ConvertError(CkptToolError):
     """A conversion cannot be done (unsupported dtype, unreadable source, name clash)."""
+
+
+class UnsafeCheckpoint(ConvertError):
+    """A checkpoint's pickle names a global outside the allow-list (a crafted file runs code that way); it is
+    never unpickled. Re-save the checkpoint from its source, or import a format that is not a pickle."""

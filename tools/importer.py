@@ -6,8 +6,9 @@ Nothing arbitrary is ever unpickled:
   lists and plain values only; memory-mapped, so tensors page in as they are
   written; a legacy non-zip file cannot be mapped and is loaded whole).
 - ``torch-dcp``: DCP's ``.metadata`` is a pickle; it is read with an
-  unpickler that only admits ``torch.distributed.checkpoint`` metadata
-  classes, ``torch.Size`` and dtypes; tensors are then loaded one at a time
+  unpickler that admits an explicit list of DCP's metadata classes,
+  ``torch.Size`` and dtypes, by exact name (anything else is
+  :class:`UnsafeCheckpoint`); tensors are then loaded one at a time
   with ``dcp.load`` (no process group): memory is the largest tensor.
 - ``safetensors``: header parsed by the package; tensors read in row blocks.
 
@@ -34,7 +35,7 @@ from resilient.snapshot.boxes import Box
 from resilient.snapshot.flatten import escape, split_state
 
 from resilient_tools.blocks import itemsize, row_blocks
-from resilient_tools.errors import ConvertError
+from resilient_tools.errors import ConvertError, UnsafeCheckpoint
 from resilient_tools.progress import Progress
 from resilient_tools.writer import VersionWriter
 
@@ -157,19 +158,68 @@ def from_torch(path: str, w: VersionWriter, block_bytes: int, progress: bool) ->
     return len(tensors)
 
 
+# Every global DCP's ``.metadata`` may name, exactly (module, name): listed from the
+# pickles torch 2.13's ``dcp.save`` writes (every dtype, both memory formats) plus
+# the two names DCP of torch <= 2.2 wrote. Nothing is resolved by walking a dotted
+# name or importing a module the pickle names: a name is found in this table or
+# refused, so a crafted ``.metadata`` cannot reach ``os.system`` through a module
+# that happens to import ``os``. Paths resolve to pure paths (a Windows-written
+# checkpoint_id must not fail on Linux; nothing here touches the filesystem).
+_DCP_NAMES: dict[str, tuple[str, ...]] = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.distributed._shard.sharded_tensor.metadata": ("TensorProperties", "MEM_FORMAT_ENCODING"),
+    "torch": ("Size",),
+    "torch.serialization": ("_get_layout",),
+    "collections": ("OrderedDict",),
+}
+_PURE_PATHS = {"PosixPath": "PurePosixPath", "PurePosixPath": "PurePosixPath",
+               "WindowsPath": "PureWindowsPath", "PureWindowsPath": "PureWindowsPath"}
+_allowed: dict[tuple[str, str], Any] = {}
+
+
+def _dcp_allowed() -> dict[tuple[str, str], Any]:
+    """The table behind :class:`_MetadataUnpickler`, built once from modules this file imports itself."""
+    if not _allowed:
+        import collections
+        import pathlib
+
+        import torch.distributed._shard.sharded_tensor.metadata as old_meta
+        import torch.distributed.checkpoint.filesystem as dcp_fs
+        import torch.distributed.checkpoint.metadata as dcp_meta
+        import torch.serialization as serialization
+        modules = {"torch.distributed.checkpoint.metadata": dcp_meta, "torch.distributed.checkpoint.filesystem": dcp_fs,
+                   "torch.distributed._shard.sharded_tensor.metadata": old_meta, "torch": torch,
+                   "torch.serialization": serialization, "collections": collections}
+        table = {(m, n): getattr(modules[m], n) for m, names in _DCP_NAMES.items() for n in names
+                 if hasattr(modules[m], n)}
+        table.update({("pathlib", n): getattr(pathlib, pure) for n, pure in _PURE_PATHS.items()})
+        table.update({("torch", n): v for n, v in vars(torch).items()
+                      if isinstance(v, (torch.dtype, torch.layout, torch.memory_format))})
+        _allowed.update(table)
+    return _allowed
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP metadata is made of: its own dataclasses, torch.Size, dtypes, layouts, memory formats."""
+    """Admits only the globals in :data:`_DCP_NAMES` (and torch's dtypes, layouts, memory formats) by exact name.
+
+    ``find_class`` is the only way a pickle reaches a global (GLOBAL,
+    STACK_GLOBAL, INST, OBJ and the EXT codes all go through it), so a refusal
+    here means nothing outside the table is ever imported or called."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
-                ("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "StorageType"), ("torch.serialization", "_get_layout"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                ("pathlib", "PureWindowsPath")):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not DCP metadata; "
-                                     "refusing to unpickle it")
+        found = _dcp_allowed().get((module, name))
+        if found is None:
+            raise UnsafeCheckpoint(f"DCP metadata refers to {module}.{name}, which is not one of the classes DCP "
+                                   "metadata is made of; refusing to unpickle it (a crafted .metadata runs code "
+                                   "this way). If torch's own dcp.save wrote it, load it with torch, torch.save "
+                                   "the state dict and import that with --from torch")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpoint("DCP metadata holds a persistent reference, which DCP never writes; refusing it")
 
 
 def read_dcp_metadata(folder: str):
@@ -180,6 +230,8 @@ def read_dcp_metadata(folder: str):
     with open(path, "rb") as f:
         try:
             meta = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        except UnsafeCheckpoint as e:
+            raise UnsafeCheckpoint(f"{path}: {e}") from None
         except Exception as e:  # noqa: BLE001 -- a garbled pickle fails in many ways; all are bad input
             raise ConvertError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
     if not isinstance(meta, Metadata):

@@ -1,6 +1,6 @@
 """Which box of each tensor every rank of a (pp, dp, tp) layout holds, for the GPT worker.
 
-Mirrors resilient/parallel.py (keep the two in step):
+Mirrors resilient/gpt/parallel.py (keep the two in step):
 
 - pipeline: ``pp * stages_per_rank`` stages own contiguous layer ranges
   (``stage_layers``); stage ``s`` lives on pp rank ``s % pp`` (loop order);

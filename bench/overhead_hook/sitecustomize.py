@@ -8,7 +8,7 @@ that. bench_overhead.py puts this folder first on PYTHONPATH and sets
 ``RESILIENT_BENCH_BLOCKS=WARMUP:BLOCK:MODE,MODE,...``; Python imports this
 ``sitecustomize`` at start-up in every process of the job. It does nothing
 unless that variable is set, and then only wraps two methods once
-``resilient.train`` is imported (in the workers):
+``resilient.gpt.train`` is imported (in the workers):
 
 - ``StateKeeper.after_step`` skips the capture (node store, hence replication)
   for steps whose mode has no ``snap``;
@@ -66,10 +66,10 @@ def _patch(train) -> None:
 
 
 class _Finder:
-    """Wraps the loader of ``resilient.train`` so the patch runs right after it is executed."""
+    """Wraps the loader of ``resilient.gpt.train`` so the patch runs right after it is executed."""
 
     def find_spec(self, name, path, target=None):
-        if name != "resilient.train":
+        if name != "resilient.gpt.train":
             return None
         import importlib.util
 

@@ -11,7 +11,7 @@ life cycle::
 This class supplies the four hooks it leaves abstract and adds:
 
 - ``_start_workers`` hands each local rank a *warm* process: a fork of the
-  pool's zygote (torch and the trainer already imported, see
+  pool's zygote (torch and the program's modules already imported, see
   :class:`~.pool.WarmPool`), so a restart costs a fork, not an import; the
   agent joins its first rendezvous only once that zygote is ready;
 - ``_rendezvous`` first evicts members proven dead (their agent's port
@@ -49,7 +49,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
 
-from resilient.agent.api import NOT_DURABLE_EXIT, AgentSettings, FailureKind
+from resilient.agent.api import NODE_ID_ENV, NOT_DURABLE_EXIT, RUN_DIR_ENV, AgentSettings, FailureKind
 from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
 from resilient.agent.membership import NodeRegistry
 from resilient.agent.pool import WarmPool, WorkerProcess
@@ -58,6 +58,7 @@ from resilient.etcd.compactor import HistoryCompactor
 from resilient.events import EventLog, read_events
 from resilient.procs import OWNER, ignore_stop_signals, owner_record, reclaim_dirs
 from resilient.rendezvous.api import RendezvousRoundLost
+from resilient.runconfig import RUNTIME_CONFIG_ENV
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,16 @@ class ResilientAgent(SimpleElasticAgent):
         self.settings = settings
         self.registry = registry
         self.events = events
-        self.pool = WarmPool(settings.spares, settings.worker_env)
+        self.pool = WarmPool(settings.spares, settings.worker_env, entry=settings.worker_entry,
+                             preload=settings.worker_preload)
         # Heartbeat files live here; an agent killed with -9 leaves its dir behind, so the
         # next one on this machine removes those whose owner is gone.
         reclaim_dirs(tempfile.gettempdir(), "resilient-agent-")
         self._tmp = Path(tempfile.mkdtemp(prefix=f"resilient-agent-{settings.node_id}-"))
         (self._tmp / OWNER).write_text(owner_record())
-        self.heartbeats = HeartbeatMonitor(self._tmp, settings.heartbeat_timeout, settings.startup_timeout)
+        # A program that need not beat (a user's script) is watched for hangs only once it has.
+        self.heartbeats = HeartbeatMonitor(self._tmp, settings.heartbeat_timeout,
+                                           settings.startup_timeout if settings.worker_heartbeats else timedelta.max)
         self.procs: dict[int, WorkerProcess] = {}
         self.round_nodes: set[str] = set()
         self._next_membership_check = 0.0
@@ -203,6 +207,8 @@ class ResilientAgent(SimpleElasticAgent):
             "TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(), "TORCHELASTIC_USE_AGENT_STORE": "False",
             "RESILIENT_ROUND": str(self._round),
+            RUN_DIR_ENV: str(Path(self.settings.run_dir).resolve()), NODE_ID_ENV: self.settings.node_id,
+            **({RUNTIME_CONFIG_ENV: self.settings.runtime_config} if self.settings.runtime_config else {}),
             HEARTBEAT_ENV: self.heartbeats.path(worker.local_rank),
             **(self.store.env() if self.store is not None else {}),
         }
@@ -330,7 +336,8 @@ class ResilientAgent(SimpleElasticAgent):
         error, an import failure) will die the same way next time: after
         ``MAX_STARTUP_FAILURES`` in a row, stop restarting and fail the job
         with the worker's error instead of looping through max_restarts."""
-        before_first_beat = any(not os.path.exists(self.heartbeats.path(f.local_rank)) for f in failures.values())
+        before_first_beat = self.settings.worker_heartbeats and any(  # a script that never beats: see AgentSettings
+            not os.path.exists(self.heartbeats.path(f.local_rank)) for f in failures.values())
         self._startup_failures = self._startup_failures + 1 if before_first_beat else 0
         if self._startup_failures >= MAX_STARTUP_FAILURES:
             log.error("workers failed %d times in a row before their first step; giving up", self._startup_failures)

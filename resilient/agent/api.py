@@ -10,6 +10,12 @@ from typing import Any
 from resilient.errors import ResilientError
 
 
+# The environment a worker gets beyond torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, ...):
+# what resilient.job reads to find the run it belongs to.
+RUN_DIR_ENV = "RESILIENT_RUN_DIR"       # the run dir, absolute: events.jsonl, checkpoints
+NODE_ID_ENV = "RESILIENT_NODE_ID"       # this node's id (--node-id, default the hostname)
+
+
 class AgentError(ResilientError):
     """The agent cannot run the job (bad --nnodes, no rendezvous, ...)."""
 
@@ -63,8 +69,18 @@ class AgentSettings:
     etcd_factory: Any = None            # () -> EtcdClient, for the node store service
     etcd_conf: dict[str, str] = field(default_factory=dict)  # TLS/auth keys of --rdzv-conf, for workers
     store: Any = None                   # resilient.agent.store.StoreSettings; None = no memory tiers
+    # What the workers run: ``worker_entry.main(worker_argv)`` in a process that imported
+    # ``worker_preload`` first (see resilient.agent.warm). The launcher names the program (the
+    # built-in GPT's worker, or resilient.agent.script for a user's script): never the agent.
+    worker_entry: str = "resilient.agent.script"
     worker_argv: list[str] = field(default_factory=list)
+    worker_preload: tuple[str, ...] = ()
     worker_env: dict[str, str] = field(default_factory=dict)
+    # Whether the program beats from its first step (the built-in GPT). A user's script beats
+    # only once it calls resilient.job's step boundary, so until a worker's first beat the agent
+    # neither kills it as hung at startup_timeout nor counts its exit as a startup failure.
+    worker_heartbeats: bool = True
+    runtime_config: str = ""            # RuntimeConfig JSON for the workers (RESILIENT_RUNTIME_CONFIG)
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

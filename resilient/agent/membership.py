@@ -13,30 +13,53 @@ A description also carries the node's name in the rendezvous state
 :meth:`NodeRegistry.proven_dead` can tell a dead agent from a slow one:
 a port that refuses connections on a host that answers is a dead process,
 and the rendezvous evicts it at once instead of after its keep-alive lapses.
+
+Every description carries a MAC under the job secret (bound to its key,
+:mod:`resilient.secret`); :func:`read_registry` drops one that fails (reported
+as ``auth_failure``), so a forged entry never names a peer, a store address
+or a live node, and a forged holder of our node id is overwritten.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import psutil
 
 from resilient.agent.api import NodeIdInUse
 from resilient.etcd import EtcdClient, EtcdError, LivenessLease
+from resilient.secret import REGISTRY, JobSecret, Unauthentic, read_records, report_unauthentic, require_secret
 
 log = logging.getLogger(__name__)
 
+PURPOSE = REGISTRY
+
+
+def registry_prefix(run_id: str) -> str:
+    return f"/resilient/{run_id}/nodes/"
+
+
+def read_registry(client: EtcdClient, run_id: str, secret: JobSecret | bytes, events: Any = None) -> dict[str, dict]:
+    """node id → description of every registered node whose entry authenticates (raises EtcdError)."""
+    return read_records(client, registry_prefix(run_id), PURPOSE, secret, events, "node registry entry")
+
 
 class NodeRegistry:
-    def __init__(self, client: EtcdClient, run_id: str, node_id: str, domain: str, ttl: timedelta):
+    """``secret``: the job secret (default: from the environment, :func:`resilient.secret.require_secret`)."""
+
+    def __init__(self, client: EtcdClient, run_id: str, node_id: str, domain: str, ttl: timedelta,
+                 secret: JobSecret | bytes | None = None, events: Any = None):
         self.client = client
-        self.prefix = f"/resilient/{run_id}/nodes/"
+        self.run_id = run_id
+        self.secret = JobSecret.of(secret) if secret is not None else require_secret(what="the node registry")
+        self.events = events
+        self.prefix = registry_prefix(run_id)
         self.node_id = node_id
         self.info = {"node": node_id, "domain": domain or node_id, "host": socket.gethostname(),
                      "pid": os.getpid(), "since": time.time()}
@@ -63,16 +86,18 @@ class NodeRegistry:
         deadline = time.monotonic() + (wait or self.lease.ttl).total_seconds() + 1.0
         seen = None
         while True:
-            got = self.client.compare_and_swap(key, json.dumps(self.info), mod_revision=seen, lease=self.lease.id)
+            got = self.client.compare_and_swap(key, self._sealed(), mod_revision=seen, lease=self.lease.id)
             if got.succeeded:
                 return
             if got.kv is None:  # gone between the compare and now: create it
                 seen = None
                 continue
             try:
-                holder = json.loads(got.kv.value)
-            except (ValueError, UnicodeDecodeError):
-                holder = {}
+                holder = self.secret.open_record(PURPOSE, key, got.kv.value)
+            except Unauthentic as e:  # not written by an agent of this job: not a holder
+                report_unauthentic(self.events, "node registry entry", key, e)
+                seen = got.kv.mod_revision
+                continue
             pid = holder.get("pid")
             if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not psutil.pid_exists(pid):
                 seen = got.kv.mod_revision  # take it over, unless it changes meanwhile
@@ -84,25 +109,22 @@ class NodeRegistry:
             seen = None
             time.sleep(0.5)
 
+    def _sealed(self) -> str:
+        return self.secret.seal_record(PURPOSE, self.prefix + self.node_id, self.info)
+
     def register(self) -> None:
-        self.client.put(self.prefix + self.node_id, json.dumps(self.info), lease=self.lease.id)
+        self.client.put(self.prefix + self.node_id, self._sealed(), lease=self.lease.id)
 
     def alive(self) -> dict[str, dict] | None:
         """node id → description of every live node; None when etcd is unreachable
         (unknown is not dead: an etcd outage must not look like a node loss)."""
         try:
-            kvs = self.client.get_prefix(self.prefix)
+            nodes = read_registry(self.client, self.run_id, self.secret, self.events)
         except EtcdError as e:
             log.debug("node registry unreachable: %s", e)
             return None
-        nodes = {}
-        for kv in kvs:
-            try:
-                nodes[kv.key.decode().removeprefix(self.prefix)] = json.loads(kv.value)
-            except (ValueError, UnicodeDecodeError):
-                continue
         if self.node_id not in nodes:
-            # Our lease lapsed during an outage: put the key back under a fresh one.
+            # Our lease lapsed during an outage (or a forged entry took our key): put it back.
             try:
                 self.register()
             except EtcdError:

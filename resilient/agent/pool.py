@@ -1,8 +1,8 @@
 """Worker processes for the agent: cold-spawned or forked from a warm zygote.
 
 A :class:`WorkerProcess` is a ``python -m resilient.agent.warm`` child that
-has (or is still) importing torch and waits for an assignment on stdin: a
-cold start. With spares (``size > 0``) :class:`WarmPool` instead keeps one
+has (or is still) importing torch and the program's preload list, and waits
+for an assignment on stdin: a cold start. With spares (``size > 0``) :class:`WarmPool` instead keeps one
 :class:`Zygote`, a process that imported everything once and forks a worker
 per assignment (~30 ms), so every restart is warm however soon it follows
 the previous one (re-spawned spares needed 10-30 s to import on the soak's
@@ -26,7 +26,7 @@ import time
 from datetime import timedelta
 
 from resilient.agent.api import AgentError
-from resilient.agent.warm import spawn_zygote, take_early
+from resilient.agent.warm import DEFAULT_ENTRY, setup_line, spawn_zygote, take_early
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,18 @@ log = logging.getLogger(__name__)
 FORK_TIMEOUT = timedelta(minutes=5)
 
 class WorkerProcess:
-    """One child process: warm until :meth:`assign`, then a worker."""
+    """One child process: warm until :meth:`assign`, then a worker running
+    ``entry.main(argv)`` (see :mod:`.warm`)."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], entry: str = DEFAULT_ENTRY, preload: tuple[str, ...] = ()):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "resilient.agent.warm"],
             stdin=subprocess.PIPE, env={**os.environ, **env, "RESILIENT_PARENT_PID": str(os.getpid())},
             process_group=0,  # its own group: a kill reaches anything it started
         )
+        self.proc.stdin.write(setup_line(preload))
+        self.proc.stdin.flush()
+        self.entry = entry
         self.born = time.monotonic()
         self.assigned = False
 
@@ -51,7 +55,7 @@ class WorkerProcess:
         return self.proc.pid
 
     def assign(self, env: dict[str, str], argv: list[str]) -> None:
-        line = json.dumps({"env": env, "argv": argv}) + "\n"
+        line = json.dumps({"env": env, "entry": self.entry, "argv": argv}) + "\n"
         self.proc.stdin.write(line.encode())
         self.proc.stdin.close()
         self.assigned = True
@@ -91,9 +95,11 @@ class Zygote:
     zygote's children, so their exit codes come from it, not from waitpid here.
     """
 
-    def __init__(self, env: dict[str, str], started: tuple[subprocess.Popen, int] | None = None):
-        """``started``: a zygote already running (:func:`~.warm.start_early`), else a new one."""
-        self.proc, r = started if started is not None else spawn_zygote(env)
+    def __init__(self, env: dict[str, str], started: tuple[subprocess.Popen, int] | None = None,
+                 preload: tuple[str, ...] = ()):
+        """``started``: a zygote already running (:func:`~.warm.start_early`, told its preload
+        list there), else a new one that imports ``preload``."""
+        self.proc, r = started if started is not None else spawn_zygote(env, preload)
         self._cv = threading.Condition()
         self.ready = False
         self.dead = False
@@ -127,13 +133,14 @@ class Zygote:
         with self._cv:
             return self._cv.wait_for(lambda: self.ready or self.dead, timeout.total_seconds()) and self.ready
 
-    def fork(self, env: dict[str, str], argv: list[str], timeout: timedelta = FORK_TIMEOUT) -> int:
-        """Start one worker; its pid."""
+    def fork(self, env: dict[str, str], entry: str, argv: list[str], timeout: timedelta = FORK_TIMEOUT) -> int:
+        """Start one worker running ``entry.main(argv)``; its pid."""
         with self._cv:
             self._tokens += 1
             token = f"{os.getpid()}-{self._tokens}"
         try:
-            self.proc.stdin.write((json.dumps({"env": env, "argv": argv, "token": token}) + "\n").encode())
+            line = json.dumps({"env": env, "entry": entry, "argv": argv, "token": token}) + "\n"
+            self.proc.stdin.write(line.encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as e:
             raise AgentError(f"the warm zygote (pid {self.proc.pid}) is gone: {e}") from e
@@ -175,8 +182,9 @@ class Zygote:
 class ForkedWorker:
     """A worker forked by a :class:`Zygote`: the same interface as :class:`WorkerProcess`."""
 
-    def __init__(self, zygote: Zygote):
+    def __init__(self, zygote: Zygote, entry: str = DEFAULT_ENTRY):
         self.zygote = zygote
+        self.entry = entry
         self._pid: int | None = None
         self.assigned = False
 
@@ -185,7 +193,7 @@ class ForkedWorker:
         return self._pid if self._pid is not None else -1
 
     def assign(self, env: dict[str, str], argv: list[str]) -> None:
-        self._pid = self.zygote.fork(env, argv)
+        self._pid = self.zygote.fork(env, self.entry, argv)
         self.assigned = True
 
     def poll(self) -> int | None:
@@ -225,11 +233,15 @@ class WarmPool:
 
     ``size > 0``: one :class:`Zygote` forks every worker (``size`` only says
     that spares are wanted). ``size == 0``: every worker is a cold
-    :class:`WorkerProcess`."""
+    :class:`WorkerProcess`. Every worker runs ``entry.main(argv)``, after the
+    modules of ``preload`` were imported (see :mod:`.warm`)."""
 
-    def __init__(self, size: int, env: dict[str, str], refill_delay: timedelta = timedelta(seconds=2)):
+    def __init__(self, size: int, env: dict[str, str], refill_delay: timedelta = timedelta(seconds=2),
+                 entry: str = DEFAULT_ENTRY, preload: tuple[str, ...] = ()):
         self.size = size
         self.env = env
+        self.entry = entry
+        self.preload = tuple(preload)
         self.refill_delay = refill_delay
         self._idle: list[WorkerProcess] = []
         self._zygote: Zygote | None = None
@@ -252,13 +264,13 @@ class WarmPool:
                     if early is not None and early[0].poll() is not None:
                         discard_early(early)
                         early = None
-                    self._zygote = Zygote(self.env, early)
+                    self._zygote = Zygote(self.env, early, self.preload)
                 return
             early = take_early()  # no spares after all: the early zygote is not needed
             if early is not None:
                 discard_early(early)
             while len(self._idle) < at_least:
-                self._idle.append(WorkerProcess(self.env))
+                self._idle.append(self._cold())
 
     def wait_ready(self, timeout: timedelta) -> bool:
         """Wait until the zygote has imported everything (True), or ``timeout``
@@ -273,13 +285,16 @@ class WarmPool:
             self.fill()
             with self._lock:
                 if self._zygote is not None:
-                    return ForkedWorker(self._zygote), self._zygote.ready
+                    return ForkedWorker(self._zygote, self.entry), self._zygote.ready
         with self._lock:
             while self._idle:
                 wp = self._idle.pop(0)
                 if wp.poll() is None:
                     return wp, False  # prestarted at agent start: maybe still importing
-            return WorkerProcess(self.env), False
+            return self._cold(), False
+
+    def _cold(self) -> WorkerProcess:
+        return WorkerProcess(self.env, self.entry, self.preload)
 
     def refill_later(self, delay: timedelta | None = None) -> None:
         """Top the pool up after ``delay`` (default ``refill_delay``), on a timer thread."""

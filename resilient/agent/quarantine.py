@@ -10,6 +10,14 @@ clears the record::
 
     resilient quarantine list  --rdzv-endpoint HOST:PORT --run-id RUN
     resilient quarantine clear NODE --rdzv-endpoint HOST:PORT --run-id RUN
+
+Records carry a MAC under the job secret (:mod:`resilient.secret`, bound to
+the record's key). One that fails is reported (``auth_failure``) and ignored:
+a forged record never quarantines a node, and a tampered one is no record. A
+writer of etcd can still *delete* a record (that no MAC can prevent): keep
+etcd itself authenticated on a shared host (``--rdzv-conf username=...``).
+The CLI takes the job secret (``--secret-file``, ``--run-dir`` or the
+environment) and the TLS/auth keys of ``--rdzv-conf``, as ``launch`` does.
 """
 
 from __future__ import annotations
@@ -17,9 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
+from typing import Any
 
 from resilient.agent.api import AgentError
 from resilient.etcd import EtcdClient
+from resilient.secret import (
+    QUARANTINE,
+    RUN_DIR_SECRET,
+    JobSecret,
+    Unauthentic,
+    report_unauthentic,
+    require_secret,
+    resolve_secret,
+)
 
 QUARANTINE_EXIT = 75  # the worker's exit code for "my device is bad"
 
@@ -28,23 +47,55 @@ class NodeQuarantined(AgentError):
     """This node is quarantined; an operator must clear it first."""
 
 
+PURPOSE = QUARANTINE
+
+
 class Quarantine:
-    def __init__(self, client: EtcdClient, run_id: str):
+    """``secret``: the job secret (default: from the environment, :func:`resilient.secret.require_secret`)."""
+
+    def __init__(self, client: EtcdClient, run_id: str, secret: JobSecret | bytes | None = None, events: Any = None):
         self.client = client
         self.run_id = run_id
+        self._secret = JobSecret.of(secret) if secret is not None else None
+        self.events = events
         self.prefix = f"/resilient/{run_id}/quarantine/"
+
+    @property
+    def secret(self) -> JobSecret:
+        """Resolved when first needed: clearing a record (a delete) needs none."""
+        if self._secret is None:
+            self._secret = require_secret(what="the quarantine")
+        return self._secret
 
     def add(self, node: str, **record) -> None:
         record = {"node": node, "time": time.time(), **record}
-        self.client.put(self.prefix + node, json.dumps(record))
+        self.client.put(self.prefix + node, self.secret.seal_record(PURPOSE, self.prefix + node, record))
 
     def get(self, node: str) -> dict | None:
+        """The node's authentic record, or None (no record, or one that fails authentication)."""
         kv = self.client.get(self.prefix + node)
-        return json.loads(kv.value) if kv is not None else None
+        if kv is None:
+            return None
+        try:
+            return self.secret.open_record(PURPOSE, self.prefix + node, kv.value)
+        except Unauthentic as e:
+            report_unauthentic(self.events, "quarantine record", self.prefix + node, e)
+            return None
+
+    def scan(self) -> tuple[dict[str, dict], dict[str, str]]:
+        """(node → authentic record, node → why its record fails authentication)."""
+        good, forged = {}, {}
+        for kv in self.client.get_prefix(self.prefix):
+            key = kv.key.decode(errors="replace")
+            try:
+                good[key.removeprefix(self.prefix)] = self.secret.open_record(PURPOSE, key, kv.value)
+            except Unauthentic as e:
+                report_unauthentic(self.events, "quarantine record", key, e)
+                forged[key.removeprefix(self.prefix)] = str(e)
+        return good, forged
 
     def all(self) -> dict[str, dict]:
-        return {kv.key.decode().removeprefix(self.prefix): json.loads(kv.value)
-                for kv in self.client.get_prefix(self.prefix)}
+        return self.scan()[0]
 
     def clear(self, node: str) -> bool:
         return self.client.delete(self.prefix + node)
@@ -66,13 +117,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("node", nargs="?", help="the node to clear")
     ap.add_argument("--rdzv-endpoint", required=True, help="etcd HOST:PORT[,...] of the job")
     ap.add_argument("--run-id", required=True, help="the job's run id (see the agent_start event)")
+    ap.add_argument("--rdzv-conf", default="", help="etcd TLS/auth keys k=v,k=v, as for launch (ca_cert, cert, key, "
+                    "username; the password from RESILIENT_ETCD_PASSWORD)")
+    ap.add_argument("--secret-file", default=None, help="the job secret's file (default: $RESILIENT_JOB_SECRET_FILE, "
+                    "$RESILIENT_JOB_SECRET, or RUN_DIR/job.secret with --run-dir)")
+    ap.add_argument("--run-dir", default=None, help="the run dir of a single-machine job (holds its job.secret)")
     args = ap.parse_args(argv)
-    with EtcdClient(args.rdzv_endpoint) as client:
+    secret = _cli_secret(args) if args.action == "list" else None
+    with _cli_client(args) as client:
         client.check()  # a wrong endpoint: a clear error in seconds, not the client's long retries
-        q = Quarantine(client, args.run_id)
+        q = Quarantine(client, args.run_id, secret)
         if args.action == "list":
-            for node, record in sorted(q.all().items()):
+            good, forged = q.scan()
+            for node, record in sorted(good.items()):
                 print(json.dumps(record))
+            for node, why in sorted(forged.items()):
+                print(json.dumps({"node": node, "unauthentic": why, "ignored": True}))
             return 0
         if not args.node:
             ap.error("clear needs a NODE")
@@ -81,3 +141,21 @@ def main(argv: list[str]) -> int:
             return 1
         print(f"cleared {args.node!r}; it may rejoin run {args.run_id!r}")
         return 0
+
+
+def _cli_secret(args: argparse.Namespace) -> JobSecret:
+    found = resolve_secret(args.secret_file)
+    if found is None and args.run_dir:
+        found = resolve_secret(Path(args.run_dir) / RUN_DIR_SECRET)
+    return found if found is not None else require_secret(what="`resilient quarantine`")
+
+
+def _cli_client(args: argparse.Namespace) -> EtcdClient:
+    """An etcd client reaching the job's etcd as ``launch`` does (TLS, user and password)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from resilient.rendezvous.registry import client_from_params, parse_rdzv_conf
+
+    conf = {"retry_timeout": 5.0, **parse_rdzv_conf(args.rdzv_conf)}
+    return client_from_params(RendezvousParameters(backend="etcd3", endpoint=args.rdzv_endpoint, run_id=args.run_id,
+                                                   min_nodes=1, max_nodes=1, **conf))

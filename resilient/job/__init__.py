@@ -13,11 +13,22 @@
 - :class:`StateKeeper`  the tiers behind it, for loops that manage their own state (:mod:`.keeper`)
 - :class:`ModelState`   module/optimizer pairs as snapshot state (:mod:`.modelstate`)
 - :mod:`.api`           typed errors, the environment contract, ``Stateful``
+
+This package, :mod:`resilient.runconfig` (the runtime's config sections),
+:mod:`resilient.configbase` (typed config sections of your own) and
+:mod:`resilient.errors` are the public surface: the built-in GPT
+(:mod:`resilient.gpt`) uses nothing else of the runtime.
 """
 
+from resilient.events import EventLog
 from resilient.job.api import JobError, NotUnderAgent, Stateful
 from resilient.job.job import Job, param_digest
-from resilient.job.keeper import StateKeeper
+from resilient.job.keeper import Marks, StateKeeper
 from resilient.job.modelstate import ModelState
+from resilient.progress import device_peak_tflops
+from resilient.sdc.reduction import pipeline_post_scale
 
-__all__ = ["Job", "JobError", "NotUnderAgent", "Stateful", "StateKeeper", "ModelState", "param_digest"]
+__all__ = ["Job", "JobError", "NotUnderAgent", "Stateful", "StateKeeper", "ModelState", "param_digest",
+           # for trainers that know more: run_start's phase timings, the event log, MFU's peak,
+           # what a pipeline schedule does to the reduced gradients (Job(post_scale=...))
+           "Marks", "EventLog", "device_peak_tflops", "pipeline_post_scale"]

@@ -268,6 +268,8 @@ class Job:
         self.startup.update({f"restore.{k}": v for k, v in self.keeper.timings.items()})
         if restored is not None:
             self._after_restore(restored)
+            # the durable version due at this step, if the lost run had not uploaded it yet
+            self.keeper.catch_up(self.step, self._rank_extra, lambda: self._global_extra(self.step))
             if self.progress:
                 self.progress.message(f"restored step {restored.step} from {restored.url} "
                                       f"({'resharded, ' if restored.resharded else ''}{time.perf_counter() - t0:.2f}s)")
@@ -419,6 +421,10 @@ class Job:
                 raise SystemExit(NOT_DURABLE_EXIT) from e
         if self.stop_requested:
             self.events.emit("run_end", step=self.step, preempted=True)
+            if self.rank == 0:   # what the preemption did, in one line of ours
+                where = self.keeper.durable.url if self.keeper.durable is not None else "nowhere durable"
+                print(f"resilient: preempted after step {self.step}: saved in {' and '.join(self.tiers())} "
+                      f"({where}); a relaunch resumes from step {self.step}", file=sys.stderr, flush=True)
         else:
             digest = param_digest(self.guard.view.named_parameters()) if self.modules else None
             self.events.emit("run_end", step=self.step, param_digest=digest)

@@ -179,6 +179,16 @@ class StateKeeper:
                 pass
         return restored
 
+    def catch_up(self, step: int, extra: Callable[[], Any], global_extra: Callable[[], Any]) -> bool:
+        """After a restore from a memory tier at ``step``: write the durable version that was due
+        there if the lost run had not made it durable yet (a crash between the RAM commit and
+        the upload), so the durable history has no gap. Returns whether it saved."""
+        if self.durable is None or self.durable_step >= step or not self.durable.due(step):
+            return False
+        self.durable.save(step, self.state_fn(), extra=extra(), global_extra=global_extra(), force=True)
+        self.durable_step = step
+        return True
+
     # --------------------------------------------------------------- save
     def after_step(self, step: int, extra: Callable[[], Any], global_extra: Callable[[], Any],
                    force: bool = False) -> None:

@@ -11,6 +11,16 @@ This module gives ``DynamicRendezvousHandler`` what it needs on etcd v3:
 * :class:`Etcd3Store` is the ``torch.distributed.Store`` the agents use to
   exchange the master address and to run their barriers.
 
+Trust: torch pickles its state into ``set_state`` and unpickles what
+``get_state`` returns, so a writer of the key would run code in every agent.
+The backend seals each state it writes (a version tag and an HMAC-SHA256 over
+the key and the blob, under the job secret: :mod:`resilient.secret`) and
+opens each one it reads; a state that fails (tampered, truncated, empty,
+written without the secret or with another job's) is
+:class:`~.api.RendezvousStateCorrupt` (torch's ``RendezvousStateError``) and
+never reaches torch. A node holding another secret than the job's fails the
+same way at its first read, with both fingerprints to compare.
+
 Liveness: every key is written with this process's :class:`LivenessLease`
 (kept alive by a thread). Agents rewrite the state at every heartbeat, so
 while any agent of the run lives the state key stays; once all are gone it
@@ -29,7 +39,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from resilient.etcd.api import EtcdError, EtcdLeaseExpired, EtcdUnavailable
 from resilient.etcd.client import EtcdClient, LivenessLease
-from resilient.rendezvous.api import RendezvousError, RendezvousRoundLost, RendezvousUnavailable
+from resilient.rendezvous.api import (
+    RendezvousError,
+    RendezvousRoundLost,
+    RendezvousStateCorrupt,
+    RendezvousUnavailable,
+)
+from resilient.secret import RDZV_STATE, JobSecret, Unauthentic, report_unauthentic, require_secret
 
 __all__ = ["Etcd3RendezvousBackend", "Etcd3Store", "DEFAULT_KEY_PREFIX"]
 
@@ -66,7 +82,11 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         key_prefix: namespace for all of resilient's rendezvous keys.
         lease: liveness lease to attach writes to; one is created with
             ``lease_ttl`` if not given.
+        secret: the job secret (or its key material) that seals the state;
+            default: from the environment (:func:`resilient.secret.require_secret`).
     """
+
+    PURPOSE = RDZV_STATE
 
     def __init__(
         self,
@@ -76,9 +96,12 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         key_prefix: str = DEFAULT_KEY_PREFIX,
         lease: LivenessLease | None = None,
         lease_ttl: timedelta = timedelta(seconds=60),
+        secret: JobSecret | bytes | None = None,
     ) -> None:
         if not run_id:
             raise RendezvousError("the run id must be a non-empty string (torchrun --rdzv-id)")
+        self.secret = (JobSecret.of(secret) if secret is not None
+                       else require_secret(what=f"the etcd3 rendezvous of run {run_id!r}"))
         self.client = client
         self.run_id = run_id
         self.key = f"{key_prefix.rstrip('/')}/{run_id}/state"
@@ -90,7 +113,20 @@ class Etcd3RendezvousBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         kv = _translate(f"reading rendezvous state {self.key}", lambda: self.client.get(self.key))
-        return None if kv is None else (kv.value, kv.mod_revision)
+        return None if kv is None else (self._open(kv.value), kv.mod_revision)
+
+    def _open(self, blob: bytes) -> bytes:
+        """torch's state out of a sealed blob; :class:`RendezvousStateCorrupt` if it does not authenticate."""
+        try:
+            return self.secret.unseal(self.PURPOSE, self.key, blob)
+        except Unauthentic as e:
+            report_unauthentic(None, "rendezvous state", self.key, e)
+            raise RendezvousStateCorrupt(
+                f"the rendezvous state fails authentication ({e}); it was not unpickled. Either this node holds "
+                f"another job secret than the node that wrote it (compare fingerprints: this node's is "
+                f"{self.secret.fingerprint}, from {self.secret.source}), or a process without the secret wrote "
+                f"the key. Give every node the same secret; to start the job over, use a new run id or delete "
+                f"{self.key}") from None
 
     def set_state(
         self, state: bytes, token: Token | None = None
@@ -102,15 +138,21 @@ class Etcd3RendezvousBackend(RendezvousBackend):
             current = self.get_state()
             return None if current is None else (*current, False)
 
+        sealed = self.secret.seal(self.PURPOSE, self.key, state)
+
         def cas() -> tuple[bytes, Token, bool] | None:
             res = self.client.compare_and_swap(
-                self.key, state, mod_revision=revision, lease=self.lease.id
+                self.key, sealed, mod_revision=revision, lease=self.lease.id
             )
             if res.kv is None:
                 return None
             return res.kv.value, res.kv.mod_revision, res.succeeded
 
-        return _translate(f"writing rendezvous state {self.key}", cas, self.lease)
+        got = _translate(f"writing rendezvous state {self.key}", cas, self.lease)
+        if got is None:
+            return None
+        value, token_now, won = got
+        return (state if won else self._open(value)), token_now, won
 
 
 class Etcd3Store(dist.Store):

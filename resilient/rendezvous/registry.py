@@ -22,6 +22,10 @@ username, password   etcd credentials; the password may instead come from the
                      environment variable RESILIENT_ETCD_PASSWORD (keeps it
                      out of ``ps``)
 key_prefix           etcd namespace (default /resilient/rdzv)
+secret_file          the job secret's file (mode 0600); default: the environment,
+                     $RESILIENT_JOB_SECRET_FILE or $RESILIENT_JOB_SECRET
+                     (:mod:`resilient.secret`). The state torch pickles is
+                     sealed with it, and a state that fails is never unpickled.
 lease_ttl            liveness lease TTL (default 60)
 connect_timeout      bound on the first contact with etcd (default 5)
 request_timeout      bound on one etcd request (default 5)
@@ -72,6 +76,7 @@ from resilient.rendezvous.etcd3_backend import (
     Etcd3RendezvousBackend,
     Etcd3Store,
 )
+from resilient.secret import require_secret
 
 __all__ = ["BACKEND_NAME", "register", "create_etcd3_handler", "create_backend", "client_from_params"]
 
@@ -105,6 +110,17 @@ def _opt(params: RendezvousParameters, *keys: str) -> str | None:
         if value not in (None, ""):
             return str(value)
     return None
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``k=v,k=v`` (a ``--rdzv-conf`` value) as a dict; a malformed item is :class:`RendezvousConfigError`."""
+    conf = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise RendezvousConfigError(f"--rdzv-conf {item!r}: expected key=value")
+        conf[key.strip()] = value.strip()
+    return conf
 
 
 def client_from_params(params: RendezvousParameters) -> EtcdClient:
@@ -152,6 +168,7 @@ def client_from_params(params: RendezvousParameters) -> EtcdClient:
 
 def create_backend(params: RendezvousParameters) -> tuple[Etcd3RendezvousBackend, Etcd3Store]:
     """Connect to etcd (failing fast if unreachable) and build the backend and store."""
+    secret = require_secret(_opt(params, "secret_file"), what=f"the etcd3 rendezvous of run {params.run_id!r}")
     client = client_from_params(params)
     try:
         client.check(_seconds(params, "connect_timeout", 5.0))  # type: ignore[arg-type]
@@ -163,7 +180,7 @@ def create_backend(params: RendezvousParameters) -> tuple[Etcd3RendezvousBackend
         raise RendezvousError(f"etcd3 rendezvous for run {params.run_id!r}: {exc}") from exc
     prefix = (_opt(params, "key_prefix") or DEFAULT_KEY_PREFIX).rstrip("/")
     lease = LivenessLease(client, _seconds(params, "lease_ttl", 60.0))  # type: ignore[arg-type]
-    backend = Etcd3RendezvousBackend(client, params.run_id, key_prefix=prefix, lease=lease)
+    backend = Etcd3RendezvousBackend(client, params.run_id, key_prefix=prefix, lease=lease, secret=secret)
     store = Etcd3Store(
         client,
         f"{prefix}/{params.run_id}/store/",

@@ -205,7 +205,7 @@ class SdcMonitor:
         written by the optimizer step only, so any change in between is corruption,
         caught exactly, before the step that would read it. Works on a
         ``torch.optim.Optimizer`` or anything with a ``.state`` mapping from
-        parameters to dicts of tensors (``resilient.optim.Optimizers``).
+        parameters to dicts of tensors (``resilient.gpt.optim.Optimizers``).
         Where the state is replicated (DDP, tp-replicated norms) a flip inside the
         optimizer's arithmetic shows up in the replicated parameters instead."""
         if not hasattr(optimizer, "state"):

@@ -134,6 +134,44 @@ def local_pieces(t: torch.Tensor) -> tuple[tuple[int, ...], list[Piece], bool]:
     return tuple(t.shape), ([Piece(full, full)] if t.numel() > 0 or t.dim() == 0 else []), True
 
 
+def replica_claims(tensors: dict[str, torch.Tensor], value_names: Sequence[str], world: int) -> dict[str, tuple]:
+    """What this rank would write of every entry another rank may hold a copy of:
+    ``name -> ((offsets, sizes), ...)`` of its boxes, ``()`` for a plain tensor or a
+    JSON value (written whole). Ranks exchange these once per state structure and
+    :func:`replicas_left_to_others` picks one writer per copy.
+
+    Why not the DTensor's own placements alone: a DTensor knows its replicas only
+    along its own mesh. FSDP2 on a dp sub-mesh gives the parameters tensor parallel
+    leaves alone (embeddings, norms) a 1-D dp mesh; their copies on the tp peers live
+    in *other* dp sub-meshes, where each is coordinate 0 too, so every tp rank wrote
+    the same box (the (pp, dp, tp) GPT's manifests were rejected as overlapping).
+    A DTensor whose mesh spans the whole world has every replica on its mesh:
+    :func:`is_primary_replica` decides it alone, and it is left out here."""
+    claims: dict[str, tuple] = {}
+    for name, t in tensors.items():
+        if hasattr(t, "placements"):
+            if t.device_mesh.size() >= world:
+                continue
+            _, pieces, primary = local_pieces(t)
+            if primary and pieces:
+                claims[name] = tuple((p.box.offsets, p.box.sizes) for p in pieces)
+        else:
+            claims[name] = ()
+    for name in value_names:
+        claims[name] = ()
+    return claims
+
+
+def replicas_left_to_others(claims: Sequence[dict[str, tuple]], rank: int) -> set[str]:
+    """The names ``rank`` holds but does not write: a lower rank claims the very same
+    boxes of them (``claims``: every rank's :func:`replica_claims`, by rank)."""
+    owner: dict[tuple[str, tuple], int] = {}
+    for r, c in enumerate(claims):
+        for name, boxes in c.items():
+            owner.setdefault((name, boxes), r)
+    return {name for name, boxes in claims[rank].items() if owner[(name, boxes)] != rank}
+
+
 def split_rows(box: Box, itemsize: int, max_bytes: int) -> list[tuple[int, Box]]:
     """Cut a box along dim 0 into boxes of at most ``max_bytes`` (at least one row).
 

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -71,14 +71,14 @@ def state_signature(tensors: dict[str, torch.Tensor]) -> tuple:
                   tuple(getattr(t, "placements", ()))) for n, t in tensors.items())
 
 
-def build_plan(tensors: dict[str, torch.Tensor], plain_writers: set[str] | None,
+def build_plan(tensors: dict[str, torch.Tensor], others_write: Collection[str] | None,
                chunk_bytes: int, part_bytes: int) -> CapturePlan:
-    """Plan a rank's capture. ``plain_writers``: the plain tensors this rank writes (None: all)."""
+    """Plan a rank's capture. ``others_write``: the names whose copy here another rank
+    writes (:func:`~resilient.snapshot.boxes.replicas_left_to_others`; None: none)."""
     plans, chunks, offset = [], [], 0
     for name, t in tensors.items():
         shape, pieces, primary = local_pieces(t)
-        is_plain = not hasattr(t, "placements")
-        writes = primary and (plain_writers is None or not is_plain or name in plain_writers)
+        writes = primary and (others_write is None or name not in others_write)
         placed = []
         if writes:
             item = t.element_size()

@@ -26,6 +26,9 @@ one is CPU taken from training (etcd logs and fsyncs every write).
 A commit record is JSON ``{"step", "attempt", "world", "k", "holders":
 {"<rank>": [nodes]}}``: what restore needs to find every shard. It is written
 once (create-only) so concurrent agents never disagree about a version.
+Holds and commit records carry a MAC under the job secret bound to their key
+(:mod:`resilient.secret`); one that fails is reported (``auth_failure``) and
+ignored, so a forged record never selects a version or a holder.
 ``k`` is capped by the number of other live nodes (one node alone commits
 with ``k = 0``).
 
@@ -40,7 +43,6 @@ store's spares (:class:`~resilient.snapshot.nodestore.Spares`). When tmpfs runs 
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import threading
 import time
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+from resilient.secret import COMMIT, HOLDS, JobSecret, Unauthentic, read_records, report_unauthentic
 from resilient.snapshot.format import object_crcs, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError, peer_order
@@ -66,6 +69,18 @@ def commit_key(run_id: str, tier: str, step: int) -> str:
 
 def holds_prefix(run_id: str, step: int) -> str:
     return f"/resilient/{run_id}/mem/holds/{step:012d}/"
+
+
+def read_commits(client, run_id: str, secret: JobSecret | bytes, events: Any = None) -> list[dict]:
+    """Every commit record of the run (both tiers) that authenticates, with a well-formed step."""
+    out = []
+    for rec in read_records(client, f"/resilient/{run_id}/commit/", COMMIT, secret, events, "commit record").values():
+        try:
+            rec["step"] = int(rec["step"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        out.append(rec)
+    return out
 
 
 @dataclass
@@ -90,10 +105,10 @@ class Replicator:
     """See the module docstring. ``nodes()`` returns the live nodes' registry info
     (``{node: {"domain", "store", ...}}``) or None when etcd is unreachable."""
 
-    def __init__(self, store: NodeStore, client, run_id: str, node: str, secret: bytes,
+    def __init__(self, store: NodeStore, client, run_id: str, node: str, secret: JobSecret | bytes,
                  nodes: Callable[[], dict[str, dict] | None], opts: ReplicatorOptions, events: Any):
         self.store, self.client, self.run_id, self.node = store, client, run_id, node
-        self.secret, self.nodes, self.opts, self.events = secret, nodes, opts, events
+        self.secret, self.nodes, self.opts, self.events = JobSecret.of(secret), nodes, opts, events
         self.local_ranks: frozenset[int] = frozenset()
         self.world = 0
         self.done: int = -1                 # newest step handled
@@ -291,15 +306,15 @@ class Replicator:
         merged: dict[str, list[str]] = {}
         tiers = ("local", "memory")
         kvs, newest = self.client.put_and_get_prefix(
-            prefix + self.node, json.dumps(doc), prefix, newest_under=[commit_prefix(self.run_id, t) for t in tiers])
+            prefix + self.node, self.secret.seal_record(HOLDS, prefix + self.node, doc), prefix,
+            newest_under=[commit_prefix(self.run_id, t) for t in tiers])
         with self._cond:  # the newest commits, whoever made them: retention must keep them
             for tier, kv in zip(tiers, newest):
-                if kv is not None:
+                if kv is not None and self._authentic(COMMIT, kv, "commit record") is not None:
                     self.committed[tier] = max(self.committed.get(tier, -1), int(kv.key[-12:]))
         for kv in kvs:
-            try:
-                got = json.loads(kv.value)
-            except ValueError:
+            got = self._authentic(HOLDS, kv, "holds record")
+            if got is None:
                 continue
             if got.get("attempt") != v.attempt or got.get("world") != world:
                 continue
@@ -307,6 +322,14 @@ class Replicator:
                 merged.setdefault(r, [])
                 merged[r] += [n for n in h if n not in merged[r]]
         return merged
+
+    def _authentic(self, purpose: str, kv, what: str) -> dict | None:
+        key = kv.key.decode(errors="replace")
+        try:
+            return self.secret.open_record(purpose, key, kv.value)
+        except Unauthentic as e:
+            report_unauthentic(self.events, what, key, e)
+            return None
 
     def _commit(self, v: LocalVersion, world: int, merged: dict[str, list[str]], tiers: dict[str, int]) -> None:
         """Commit ``v`` at each tier of ``tiers`` (tier -> k) whose ``1 + k`` copies of every
@@ -316,9 +339,9 @@ class Replicator:
         if not due:
             return
         now = time.time()
-        records = {commit_key(self.run_id, t, v.step): json.dumps(
-            {"step": v.step, "attempt": v.attempt, "world": world, "k": k, "holders": merged, "time": now})
-            for t, k in due.items()}
+        records = {key: self.secret.seal_record(COMMIT, key, {
+            "step": v.step, "attempt": v.attempt, "world": world, "k": k, "holders": merged, "time": now})
+            for key, k in ((commit_key(self.run_id, t, v.step), k) for t, k in due.items())}
         if len(records) > 1 and self.client.create_all(records):
             won = set(due)
         else:  # one tier, or another agent committed one of them first: each on its own

@@ -3,24 +3,34 @@
 Each agent runs a :class:`PeerServer` on its node store. Peers *push*
 replicas (``put``) and restoring workers *pull* byte ranges (``get``).
 
-Authentication: a per-job secret (32 random bytes, created once per job in
-etcd, see :func:`job_secret`). On connect both sides prove they hold it,
+Authentication: the job secret (:mod:`resilient.secret`; it never passes
+through etcd and is never sent). On connect both sides prove they hold it,
 HMAC-SHA256 challenge-response over fresh nonces in both directions, so a
 process without the secret can neither read nor write a store, and a client
-never takes bytes from a server that cannot prove membership. The secret is
-never sent. (Payloads are not encrypted: snapshots are training state, not
-credentials; put the fleet network behind the usual isolation.)
+never takes bytes from a server that cannot prove membership.
 
-Integrity: every transfer carries a CRC-32C of its whole payload, checked by
-the receiver before a ``put`` is renamed into place and before a ``get``
-returns; the format's per-chunk CRCs are checked again by the reader, so a
-replica corrupted at rest on a peer is caught too (:class:`SnapshotCorrupt`).
-The agent's pushes send the CRC the part had when its rank captured it
-(combined from the rank manifest's chunk CRCs), not one taken from the file
-now: a part damaged in the sender's store is refused, never replicated.
+Integrity in flight: after the handshake every frame (each request and reply
+header, and each ``PIECE`` of a payload) is followed by an HMAC-SHA256 tag
+under a per-connection key (derived from the secret and both nonces) over the
+frame, its direction and its sequence number, so a frame cannot be altered,
+replayed on another connection, reordered or cut without the receiver
+noticing; a receiver drops the connection at the first bad tag (a ``put`` is
+then not stored, a ``get`` fails and the reader tries another holder). Cost:
+one HMAC-SHA256 pass per byte on each side, 0.6-0.9 CPU-s per GB per side on
+a core with SHA extensions; a push of 1 GB took ~2.1 CPU-s more for both ends
+together (2.6 vs 0.5, ``bench/peer_mac_cost.py``). Payloads are not encrypted:
+snapshots are training state, not credentials; keep the fleet network
+isolated as usual.
 
-Framing: ``u32 length`` + JSON header, then ``header["size"]`` raw bytes.
-Nothing is ever unpickled.
+Integrity at rest: a ``put`` carries the CRC-32C the part had when its rank
+captured it (combined from the rank manifest's chunk CRCs), checked by the
+receiver before the file is renamed into place: a part damaged in the
+sender's store is refused, never replicated. The format's per-chunk CRCs are
+checked again by the reader, so a replica corrupted at rest on a peer is
+caught too (:class:`SnapshotCorrupt`).
+
+Framing: ``u32 length`` + JSON header (+ tag), then ``header["size"]`` raw
+bytes in pieces (+ a tag each). Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+from resilient.secret import PEER, JobSecret
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotError, SnapshotIncomplete, StorageError
 from resilient.snapshot.format import crc
 from resilient.snapshot.nodestore import NodeStore, check_rel
@@ -56,23 +67,99 @@ PIECE = 4 << 20
 class PeerAuthError(SnapshotError):
     """A peer did not prove it holds the job secret (or we do not hold it).
 
-    Every node of a job must read the same secret from etcd
-    (``/resilient/<run>/secret``); check that all agents use the same run id and etcd."""
+    Every node of a job must hold the same secret (:mod:`resilient.secret`:
+    ``--secret-file``, ``$RESILIENT_JOB_SECRET_FILE`` or ``$RESILIENT_JOB_SECRET``)."""
 
 
 class PeerError(StorageError):
     """A peer could not be reached or refused a request; the reader tries another copy."""
 
 
-def job_secret(client, run_id: str) -> bytes:
-    """The job's secret: created once (create-only CAS) by the first agent, read by the others."""
-    key = f"/resilient/{run_id}/secret"
-    res = client.compare_and_swap(key, secrets.token_hex(32), mod_revision=None)
-    return bytes.fromhex(res.kv.value.decode())
+class PeerTampered(ConnectionError):
+    """A frame's tag did not verify: the bytes were changed, replayed or reordered in flight.
+    The connection is dropped (a ConnectionError: nothing more can be trusted on it)."""
 
 
-def _mac(secret: bytes, *parts: bytes) -> str:
-    return hmac.new(secret, b"|".join(parts), hashlib.sha256).hexdigest()
+TAG = 32  # bytes of an HMAC-SHA256 tag
+
+
+def _mac(secret: JobSecret, *parts: bytes) -> str:
+    return secret.mac(PEER, *parts).hex()
+
+
+class _Channel:
+    """One direction pair of an authenticated connection: every frame sent carries a tag over
+    (direction, sequence number, bytes) under the connection's key; every frame received is
+    checked before it is used. ``out``/``inn``: this side's direction labels."""
+
+    def __init__(self, sock: socket.socket, key: bytes, out: bytes, inn: bytes):
+        self.sock, self.key, self.out, self.inn = sock, key, out, inn
+        self.sent = self.received = 0
+
+    @classmethod
+    def after_handshake(cls, sock: socket.socket, secret: JobSecret, client_nonce: bytes, server_nonce: bytes,
+                        server: bool) -> "_Channel":
+        key = secret.mac(PEER, b"session", client_nonce, server_nonce)
+        return cls(sock, key, b"s2c", b"c2s") if server else cls(sock, key, b"c2s", b"s2c")
+
+    def _tag(self, direction: bytes, seq: int, data: bytes | memoryview | mmap.mmap) -> bytes:
+        h = hmac.new(self.key, direction + struct.pack("!Q", seq), hashlib.sha256)
+        h.update(data)
+        return h.digest()
+
+    def tag_out(self, data: bytes | memoryview | mmap.mmap) -> bytes:
+        """The tag of the next frame sent (call once per frame, in order)."""
+        t = self._tag(self.out, self.sent, data)
+        self.sent += 1
+        return t
+
+    def _check(self, data: bytes | memoryview, tag: bytes) -> None:
+        want = self._tag(self.inn, self.received, data)
+        self.received += 1
+        if not hmac.compare_digest(want, tag):
+            raise PeerTampered(f"frame {self.received - 1} from the peer failed its MAC (changed, replayed or "
+                               "reordered in flight)")
+
+    def send(self, header: dict, payload: bytes | memoryview | None = None) -> None:
+        data = json.dumps(header).encode()
+        self.sock.sendall(struct.pack("!I", len(data)) + data + self.tag_out(data))
+        if payload is not None:
+            view = memoryview(payload).cast("B")
+            for i in range(0, len(view), PIECE):
+                piece = view[i:i + PIECE]
+                self.sock.sendall(piece)
+                self.sock.sendall(self.tag_out(piece))
+
+    def recv_header(self) -> dict:
+        (n,) = struct.unpack("!I", _recv_exact(self.sock, 4))
+        if n > MAX_HEADER:
+            raise ConnectionError(f"header of {n} bytes")
+        data = _recv_exact(self.sock, n)
+        self._check(data, _recv_exact(self.sock, TAG))
+        doc = json.loads(data)
+        if not isinstance(doc, dict):
+            raise ConnectionError("header is not an object")
+        return doc
+
+    def recv_piece(self, view: memoryview) -> None:
+        """Fill ``view`` (one piece, as the sender cut it) and check its tag."""
+        _recv_into(self.sock, view)
+        self._check(view, _recv_exact(self.sock, TAG))
+
+    def recv_payload(self, size: int) -> bytes:
+        buf = bytearray(size)
+        view = memoryview(buf)
+        for i in range(0, size, PIECE):
+            self.recv_piece(view[i:i + PIECE])
+        return bytes(buf)
+
+    def discard(self, n: int) -> None:
+        """Read, check and drop the ``n`` payload bytes left (from a piece boundary)."""
+        scratch = memoryview(bytearray(max(0, min(n, PIECE))))
+        while n > 0:
+            k = min(n, PIECE)
+            self.recv_piece(scratch[:k])
+            n -= k
 
 
 def _send(sock: socket.socket, header: dict, payload: bytes | memoryview | None = None) -> None:
@@ -90,15 +177,6 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError("peer closed the connection")
         got += k
-
-
-def _discard(sock: socket.socket, n: int) -> None:
-    """Read and drop ``n`` bytes from the socket."""
-    scratch = memoryview(bytearray(max(0, min(n, PIECE))))
-    while n > 0:
-        k = min(n, PIECE)
-        _recv_into(sock, scratch[:k])
-        n -= k
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -128,20 +206,26 @@ class _Handler(socketserver.BaseRequestHandler):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(owner.io_timeout.total_seconds())
         try:
-            if not self._auth(sock, owner.secret):
+            chan = self._auth(sock, owner.secret)
+            if chan is None:
                 return
             while True:
                 try:
-                    req = _recv_header(sock)
+                    req = chan.recv_header()
+                except PeerTampered as e:
+                    log.warning("peer connection from %s dropped: %s", self.client_address, e)
+                    return
                 except ConnectionError:
                     return
                 if owner.closed:  # a request that arrives after close() is not served
                     return
-                self._serve(sock, owner.store, req)
+                self._serve(chan, owner.store, req)
+        except PeerTampered as e:
+            log.warning("peer connection from %s dropped: %s", self.client_address, e)
         except (OSError, ValueError) as e:
             log.debug("peer connection ended: %s", e)
 
-    def _auth(self, sock: socket.socket, secret: bytes) -> bool:
+    def _auth(self, sock: socket.socket, secret: JobSecret) -> _Channel | None:
         nonce = secrets.token_bytes(32)
         _send(sock, {"nonce": nonce.hex()})
         hello = _recv_header(sock)
@@ -149,18 +233,18 @@ class _Handler(socketserver.BaseRequestHandler):
         mac = str(hello.get("mac", "")).encode("utf-8", "replace")  # compare_digest refuses non-ASCII str
         if len(theirs) != 32 or not hmac.compare_digest(mac, _mac(secret, b"client", nonce).encode()):
             _send(sock, {"ok": False, "error": "authentication failed: wrong job secret"})
-            return False
+            return None
         _send(sock, {"ok": True, "mac": _mac(secret, b"server", theirs, nonce)})
-        return True
+        return _Channel.after_handshake(sock, secret, theirs, nonce, server=True)
 
-    def _serve(self, sock: socket.socket, store: NodeStore, req: dict) -> None:
+    def _serve(self, chan: _Channel, store: NodeStore, req: dict) -> None:
         op = req.get("op")
         try:
             rel = check_rel(req.get("path"))
         except ValueError as e:
             if op == "put":  # the payload is still on the wire: the stream is unusable
                 raise ConnectionError(str(e)) from None
-            _send(sock, {"ok": False, "error": str(e)})
+            chan.send({"ok": False, "error": str(e)})
             return
         if op == "put":
             # Receiving a replica must not stall this node's training. Only puts: a get is a
@@ -173,28 +257,28 @@ class _Handler(socketserver.BaseRequestHandler):
             w = None
             try:
                 w = store.writer(rel)
-                w.receive(size, lambda view: _recv_into(sock, view), PIECE)
+                w.receive(size, chan.recv_piece, PIECE)
                 w.commit(size, sent_crc)
             except BaseException as e:
                 if w is not None:
                     w.abort()
-                if isinstance(e, (ConnectionError, socket.timeout)):
+                if isinstance(e, (ConnectionError, socket.timeout)):  # PeerTampered included
                     raise
                 # A full store fails before the payload is read: read past it, or the
                 # refusal is lost (the client would see a reset, not why).
-                _discard(sock, size - (w.size if w is not None else 0))
-                _send(sock, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                chan.discard(size - (w.size if w is not None else 0))
+                chan.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
                 return
-            _send(sock, {"ok": True})
+            chan.send({"ok": True})
         elif op == "get":
             try:
                 data = store.read(rel, int(req.get("offset", 0)), req.get("length"))
             except SnapshotError as e:
-                _send(sock, {"ok": False, "error": str(e), "missing": True})
+                chan.send({"ok": False, "error": str(e), "missing": True})
                 return
-            _send(sock, {"ok": True, "size": len(data), "crc": crc(data)}, data)
+            chan.send({"ok": True, "size": len(data)}, data)
         else:
-            _send(sock, {"ok": False, "error": f"unknown op {op!r}"})
+            chan.send({"ok": False, "error": f"unknown op {op!r}"})
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -206,9 +290,9 @@ class _Server(socketserver.ThreadingTCPServer):
 class PeerServer:
     """Serves one node store to authenticated peers, on a free port, in daemon threads."""
 
-    def __init__(self, store: NodeStore, secret: bytes, host: str = "0.0.0.0",
+    def __init__(self, store: NodeStore, secret: JobSecret | bytes, host: str = "0.0.0.0",
                  advertise: str = "", io_timeout: timedelta = timedelta(seconds=30)):
-        self.store, self.secret, self.io_timeout = store, secret, io_timeout
+        self.store, self.secret, self.io_timeout = store, JobSecret.of(secret), io_timeout
         self.closed = False
         self._srv = _Server((host, 0), _Handler)
         self._srv.owner = self
@@ -241,9 +325,10 @@ class PeerClient:
     ``rate``: bytes/s cap for :meth:`put` (0 = unlimited), so replication
     shares the link with training instead of saturating it."""
 
-    def __init__(self, address: str, secret: bytes, timeout: timedelta = timedelta(seconds=30),
+    def __init__(self, address: str, secret: JobSecret | bytes, timeout: timedelta = timedelta(seconds=30),
                  rate: float = 0.0):
         self.address, self.rate = address, rate
+        secret = JobSecret.of(secret)
         host, _, port = address.rpartition(":")
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout.total_seconds())
@@ -264,11 +349,17 @@ class PeerClient:
             self.close()
             raise PeerAuthError(f"peer {address}: mutual authentication failed "
                                 f"({reply.get('error', 'the server does not hold the job secret')})", address)
+        self.chan = _Channel.after_handshake(self.sock, secret, mine, nonce, server=False)
 
     def put(self, rel: str, data: bytes | memoryview) -> None:
         """Store ``data`` as ``rel`` on the peer, atomically; raises :class:`PeerError`."""
         view = memoryview(data).cast("B")
-        self._put(rel, len(view), crc(view), lambda i, n: self.sock.sendall(view[i:i + n]))
+
+        def send(i: int, n: int) -> None:
+            self.sock.sendall(view[i:i + n])
+            self.sock.sendall(self.chan.tag_out(view[i:i + n]))
+
+        self._put(rel, len(view), crc(view), send)
 
     def put_file(self, rel: str, path: str | os.PathLike, expect: tuple[int, int] | None = None) -> int:
         """Store the local file ``path`` as ``rel`` on the peer, like :meth:`put`; returns its size.
@@ -289,55 +380,61 @@ class PeerClient:
             raise SnapshotIncomplete(f"{path}: not in this node's store", str(path)) from None
         with f:
             size = os.fstat(f.fileno()).st_size
-            value = 0
-            if expect is not None:
-                value, want = expect
-                if size != want:
-                    raise SnapshotCorrupt(f"{path}: {size} bytes in this node's store, its rank manifest's "
-                                          f"chunks add up to {want}: damaged, not replicated", str(path))
-            elif size:
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    value = crc(mm)
+            if expect is not None and size != expect[1]:
+                raise SnapshotCorrupt(f"{path}: {size} bytes in this node's store, its rank manifest's "
+                                      f"chunks add up to {expect[1]}: damaged, not replicated", str(path))
+            # The tags are taken over a read-only mapping (the page cache, no copy); the bytes
+            # go out with sendfile. Store files are immutable once named.
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            try:
+                value = expect[0] if expect is not None else (crc(mm) if mm is not None else 0)
 
-            def send(i: int, n: int) -> None:
-                if self.sock.sendfile(f, i, n) != n:  # store files are immutable once named
-                    raise OSError(f"{path} shrank while being sent")
+                def send(i: int, n: int) -> None:
+                    assert mm is not None
+                    with memoryview(mm) as whole, whole[i:i + n] as piece:  # released: mm can close
+                        tag = self.chan.tag_out(piece)
+                    if self.sock.sendfile(f, i, n) != n:
+                        raise OSError(f"{path} shrank while being sent")
+                    self.sock.sendall(tag)
 
-            self._put(rel, size, value, send)
+                self._put(rel, size, value, send)
+            finally:
+                if mm is not None:
+                    mm.close()
         return size
 
     def _put(self, rel: str, size: int, value: int, send: Callable[[int, int], None]) -> None:
         """The ``put`` exchange: header, ``send(offset, n)`` per piece (rate-limited), reply."""
         t0 = time.monotonic()
         try:
-            _send(self.sock, {"op": "put", "path": rel, "size": size, "crc": value})
+            self.chan.send({"op": "put", "path": rel, "size": size, "crc": value})
             for i in range(0, size, PIECE):
                 send(i, min(PIECE, size - i))
                 if self.rate > 0:
                     ahead = (i + PIECE) / self.rate - (time.monotonic() - t0)
                     if ahead > 0:
                         time.sleep(ahead)
-            reply = _recv_header(self.sock)
+            reply = self.chan.recv_header()
         except (OSError, ValueError) as e:
             raise PeerError(f"peer {self.address}: put {rel} failed ({e})", self.address) from None
         if not reply.get("ok"):
             raise PeerError(f"peer {self.address}: put {rel} refused: {reply.get('error')}", self.address)
 
     def get(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
-        """Bytes of ``rel`` on the peer; transfer CRC checked. :class:`SnapshotIncomplete` if it lacks it."""
+        """Bytes of ``rel`` on the peer, each piece's MAC checked. :class:`SnapshotIncomplete` if it lacks it."""
         try:
-            _send(self.sock, {"op": "get", "path": rel, "offset": offset, "length": length})
-            reply = _recv_header(self.sock)
+            self.chan.send({"op": "get", "path": rel, "offset": offset, "length": length})
+            reply = self.chan.recv_header()
             if not reply.get("ok"):
                 if reply.get("missing"):
                     raise SnapshotIncomplete(f"peer {self.address}: {reply.get('error')}", f"{self.address}/{rel}")
                 raise PeerError(f"peer {self.address}: get {rel} refused: {reply.get('error')}", self.address)
-            data = _recv_exact(self.sock, int(reply["size"]))
+            return self.chan.recv_payload(int(reply["size"]))
+        except PeerTampered as e:
+            raise PeerError(f"peer {self.address}: {rel} damaged or tampered with in transit ({e})",
+                            self.address) from None
         except (OSError, ValueError, KeyError) as e:
             raise PeerError(f"peer {self.address}: get {rel} failed ({e})", self.address) from None
-        if crc(data) != int(reply["crc"]):
-            raise PeerError(f"peer {self.address}: {rel} damaged in transit (transfer CRC mismatch)", self.address)
-        return data
 
     def close(self) -> None:
         try:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from resilient.snapshot.api import Restored
 from resilient.snapshot.config import SnapshotConfig
+from resilient.snapshot.boxes import replica_claims, replicas_left_to_others
 from resilient.snapshot.capture import SlotRing, build_plan, state_signature
 from resilient.snapshot import retention
 from resilient.snapshot.durable import Committer, DurableOptions, Uploader, emit
@@ -105,7 +106,7 @@ class Snapshotter:
         self._sig: tuple = ((), ())
         self._held: list[torch.Tensor] = []
         self._pin = False  # pinned host buffers (any tensor on a GPU), decided with the plan
-        self._plain_writers: set[str] | None = None  # None: this rank writes every plain tensor
+        self._others_write: set[str] = set()  # names held here whose copy another rank writes
         self._last_time = time.monotonic()
         self._closed = False
 
@@ -128,22 +129,18 @@ class Snapshotter:
 
     def _agree(self, tensors: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
         """On a new state structure (a collective): share rank 0's attempt token and pick
-        each plain tensor's and JSON value's writer: the lowest rank that holds the name."""
+        one writer for every copy of an entry that several ranks hold (plain tensors, JSON
+        values, DTensors replicated beyond their own mesh): the lowest rank holding it."""
         token = self._uploader.attempt or uuid.uuid4().hex[:12]
-        plain = sorted(n for n, t in tensors.items() if not hasattr(t, "placements")) + sorted(values)
         if self.world == 1:
             self._uploader.attempt = token
-            self._plain_writers = None
+            self._others_write = set()
             return
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, {"token": token, "plain": plain})
-        token = gathered[0]["token"]
-        owner: dict[str, int] = {}
-        for r, g in enumerate(gathered):
-            for n in g["plain"]:
-                owner.setdefault(n, r)
-        self._plain_writers = {n for n, r in owner.items() if r == self.rank}
-        self._uploader.attempt = token
+        dist.all_gather_object(gathered, {"token": token,
+                                          "claims": replica_claims(tensors, sorted(values), self.world)})
+        self._others_write = replicas_left_to_others([g["claims"] for g in gathered], self.rank)
+        self._uploader.attempt = gathered[0]["token"]
 
     def save(self, step: int, state: dict, extra: Any = None, global_extra: Any = None,
              force: bool = False, also: tuple["Snapshotter", ...] = ()) -> bool:
@@ -170,15 +167,15 @@ class Snapshotter:
             sig = (state_signature(tensors), tuple(values))
             if self._plan is None or self._sig != sig:
                 self._agree(tensors, values)
-                self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
+                self._plan = build_plan(tensors, self._others_write, self.opts.chunk_bytes, self.opts.part_bytes)
                 self._sig = sig
             self._held = list(tensors.values())
             self._pin = _wants_pinned(tensors)
         pin = self._pin
-        mine = self._plain_writers
+        others = self._others_write
         # JSON state is frozen now: the loop may mutate it (an LR scheduler) before the upload.
         frozen = json.loads(json.dumps({"extra": extra, "global": global_extra, "values": {
-            k: v for k, v in values.items() if mine is None or k in mine}}, allow_nan=False))
+            k: v for k, v in values.items() if k not in others}}, allow_nan=False))
         slot, skipped = self._ring.acquire(self._plan, pin)
         try:
             with torch.no_grad():
@@ -206,7 +203,7 @@ class Snapshotter:
         ``staging``), the others on a thread (:meth:`SlotRing.preallocate`)."""
         tensors, values = split_state(state)
         self._agree(tensors, values)
-        self._plan = build_plan(tensors, self._plain_writers, self.opts.chunk_bytes, self.opts.part_bytes)
+        self._plan = build_plan(tensors, self._others_write, self.opts.chunk_bytes, self.opts.part_bytes)
         self._sig = (state_signature(tensors), tuple(values))
         self._held = list(tensors.values())
         self._pin = _wants_pinned(tensors)

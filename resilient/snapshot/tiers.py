@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilient.snapshot.api import Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
+from resilient.snapshot.api import Manifest, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
 from resilient.snapshot.durable import emit, merge_rank_manifests
 from resilient.snapshot.format import manifest_from_json, verify, version_dir
 from resilient.snapshot.nodestore import NodeStore, rank_of
@@ -80,27 +80,30 @@ class StoreInfo:
                                                        min_nodes=1, max_nodes=1, **conf))
 
     def secret(self) -> bytes:
+        """The job secret's material: from the agent's private copy (hex, mode 0600) or, with no
+        agent (a test, a tool), from the environment (:func:`resilient.secret.require_secret`)."""
+        if not self.secret_file:
+            from resilient.secret import require_secret
+
+            return require_secret(what="a worker's node store").material
         return bytes.fromhex(Path(self.secret_file).read_text().strip())
 
 
 # ------------------------------------------------------------------ candidates
-def memory_plan(info: StoreInfo, limit: int = 4) -> list[dict]:
-    """Rank 0: memory versions restorable from live holders, newest first (JSON-able)."""
+def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None) -> list[dict]:
+    """Rank 0: memory versions restorable from live holders, newest first (JSON-able).
+    Only registry entries and commit records that authenticate with the job secret count."""
+    from resilient.secret import REGISTRY, read_records
+    from resilient.snapshot.memcommit import read_commits
+
+    secret = info.secret()
     with info.client() as client:
-        live = {}
-        for kv in client.get_prefix(f"/resilient/{info.run_id}/nodes/"):
-            try:
-                doc = json.loads(kv.value)
-                live[doc["node"]] = doc
-            except (ValueError, KeyError, TypeError):
-                continue
+        live = {doc["node"]: doc for doc in read_records(client, f"/resilient/{info.run_id}/nodes/", REGISTRY,
+                                                         secret, events, "node registry entry").values()
+                if isinstance(doc.get("node"), str)}
         records: dict[int, dict] = {}
-        for kv in client.get_prefix(f"/resilient/{info.run_id}/commit/"):
-            try:
-                rec = json.loads(kv.value)
-                step = int(rec["step"])
-            except (ValueError, KeyError, TypeError):
-                continue
+        for rec in read_commits(client, info.run_id, secret, events):
+            step = rec["step"]
             have = records.get(step)
             if have is None or have["attempt"] != rec["attempt"]:
                 if have is None or rec.get("k", 0) >= have.get("k", 0):
@@ -278,7 +281,7 @@ def tiered_candidates(info: StoreInfo | None, durable: SnapshotReader | None, ev
         mem = []
         if info is not None:
             try:
-                mem = memory_plan(info)
+                mem = memory_plan(info, events=events)
             except Exception as e:  # etcd down: the durable tier still works
                 emit(events, "restore_fallback", step=-1, url=f"memory://{info.run_id}", tier="memory",
                      error=f"cannot read memory commit records: {e}", error_type=type(e).__name__, obj=None)

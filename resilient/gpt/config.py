@@ -28,9 +28,7 @@ from typing import Any
 
 from resilient.configbase import explain, knob, load_section, read_toml, section_to_dict
 from resilient.errors import ConfigError
-from resilient.runconfig import LaunchConfig, apply_overrides
-from resilient.sdc.api import SdcConfig
-from resilient.snapshot.config import SnapshotConfig
+from resilient.runconfig import LaunchConfig, SdcConfig, SnapshotConfig, apply_overrides
 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # several stages per rank

@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from resilient.config import TrainConfig
-from resilient.optim_state import pack_state
+from resilient.gpt.config import TrainConfig
 
 
 class Optimizers:
@@ -44,12 +43,6 @@ class Optimizers:
                 for v in state.values():
                     if isinstance(v, torch.Tensor):
                         v.zero_()
-
-    def pack_state(self) -> None:
-        """Move every optimizer's tensor state into one flat buffer per device and dtype
-        (:func:`pack_state`)."""
-        for opt in self.optimizers:
-            pack_state(opt)
 
     @property
     def state(self) -> dict:

@@ -5,7 +5,7 @@ usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` environment. :class:`Trainer`
 builds the process group, the (pp, dp, tp) layout, this rank's share of the
 GPT, the optimizer and the data, then loops: batch → forward/backward →
 clip → optimizer step → log. Components are configured by the dataclasses of
-:mod:`resilient.config`; this module only orders them.
+:mod:`resilient.gpt.config`; this module only orders them.
 
 What a step sees depends only on (config, step): data by global sample index,
 learning rate by step, initialization by (seed, name). That is what makes two
@@ -24,15 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from resilient.config import Config
-from resilient.data import TokenCorpus, ensure_corpus
-from resilient.job import Job
-from resilient.job.keeper import Marks
-from resilient.model import flops_per_token, init_parameters
-from resilient.optim import Optimizers, clip_grad_norm, lr_at
-from resilient.parallel import build_layout, build_model
-from resilient.progress import device_peak_tflops
-from resilient.sdc.reduction import pipeline_post_scale
+from resilient.gpt.config import Config
+from resilient.gpt.data import TokenCorpus, ensure_corpus
+from resilient.job import Job, Marks, device_peak_tflops, pipeline_post_scale
+from resilient.gpt.model import flops_per_token, init_parameters
+from resilient.gpt.optim import Optimizers, clip_grad_norm, lr_at
+from resilient.gpt.parallel import build_layout, build_model
 
 DIST_TIMEOUT = timedelta(minutes=5)
 
@@ -195,20 +192,27 @@ class Trainer:
     def run(self) -> int:
         cfg = self.cfg.train
         last = min(cfg.stop_at or cfg.steps, cfg.steps)
+        restored = self.job.restore()
+        if restored and cfg.eval_every and restored % cfg.eval_every == 0 and self.job.restored is not None:
+            # the lost run may have died between this step and its evaluation: no hole in the curve
+            self._evaluate(restored)
         for step in self.job.steps(last, total=cfg.steps):
             result = self.train_step(step)
             if result is None:
                 continue   # rolled back: the Job restored the last verified version
             self._record(result)
             if cfg.eval_every and result.step % cfg.eval_every == 0:
-                val = self.evaluate()
-                self.events.emit("eval", step=result.step, val_loss=val)
-                if self.job.progress:
-                    self.job.progress.message(f"eval at step {result.step}: val loss {val:.4f}")
+                self._evaluate(result.step)
         return 0
+
+    def _evaluate(self, step: int) -> None:
+        val = self.evaluate()
+        self.events.emit("eval", step=step, val_loss=val)
+        if self.job.progress:
+            self.job.progress.message(f"eval at step {step}: val loss {val:.4f}")
 
     def close(self, failed: bool = False) -> None:
         """``failed``: the run ended in an error (see :meth:`Job.close`)."""
         self.job.close(failed)
         # No destroy_process_group(): with a peer gone it can block, and the
-        # worker process ends right after this (os._exit in resilient.worker).
+        # worker process ends right after this (os._exit in resilient.gpt.worker).

@@ -23,8 +23,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from resilient.config import Config
-from resilient.model import GPT, cross_entropy, init_buffers, init_parameters
+from resilient.gpt.config import Config
+from resilient.gpt.model import GPT, cross_entropy, init_buffers, init_parameters
 
 SCHEDULES = {
     "1f1b": "Schedule1F1B",
@@ -182,7 +182,7 @@ def build_model(cfg: Config, layout: Layout, device: torch.device, compute_dtype
 
     ``init=False``: the parameters are left as allocated (garbage) for a caller that
     restores them next and initializes only when there is nothing to restore
-    (:meth:`resilient.train.Trainer.restore`): drawing the initial values costs O(params)
+    (:meth:`resilient.gpt.train.Trainer.restore`): drawing the initial values costs O(params)
     per rank, every worker start, and a restore overwrites them."""
     from torch.distributed import pipelining
 

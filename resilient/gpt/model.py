@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from resilient.config import ModelConfig
+from resilient.gpt.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

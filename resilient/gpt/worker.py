@@ -1,4 +1,4 @@
-"""Entry point of one worker process: ``python -m resilient.worker``.
+"""Entry point of one worker process: ``python -m resilient.gpt.worker``.
 
 Started by ``resilient launch`` (or torchrun) with the torch.distributed
 environment set. Reads the resolved config the launcher wrote as JSON, trains,
@@ -16,8 +16,8 @@ import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from resilient.config import config_from_dict
-from resilient.events import EventLog
+from resilient.gpt.config import config_from_dict
+from resilient.job import EventLog
 
 
 # Pinned host memory (the capture ring's buffers on a GPU) by malloc + cudaHostRegister on
@@ -38,7 +38,7 @@ def allocator_settings(current: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     # Read once, when CUDA first allocates: set before anything touches the GPU.
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = allocator_settings(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
-    ap = argparse.ArgumentParser(prog="python -m resilient.worker")
+    ap = argparse.ArgumentParser(prog="python -m resilient.gpt.worker")
     ap.add_argument("--config", required=True, help="the resolved config as JSON (written by the launcher)")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--node", default=None)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.config) as f:
         cfg = config_from_dict(json.load(f), source=args.config)
 
-    from resilient.train import Trainer
+    from resilient.gpt.train import Trainer
 
     trainer, failed = None, False
     try:

@@ -1,0 +1,94 @@
+"""One worker of a user's script: ``main(["SCRIPT", *args])`` or ``main(["-m", "MODULE", *args])``.
+
+The entry module the agent's warm processes run for ``resilient launch SCRIPT``
+(see :mod:`resilient.agent.warm`): it runs the script in this process as
+``python SCRIPT ARGS`` / ``python -m MODULE ARGS`` would under torchrun, with
+torchrun's environment already set by the agent. ``sys.argv`` is
+``[SCRIPT, *args]``; ``sys.path[0]`` is the script's directory (the current
+directory for ``-m``). The exit code is the script's: ``sys.exit(n)`` gives
+``n``; an uncaught exception prints its traceback, records a ``worker_error``
+event in ``RUN_DIR/events.jsonl`` (what the agent quotes when it gives up) and
+exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import runpy
+import sys
+import traceback
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m resilient.agent.script",
+                                 description="Run a user's training script as one worker.")
+    ap.add_argument("-m", dest="module", action="store_true", help="TARGET is a module (python -m)")
+    ap.add_argument("target", help="the script's path, or the module's name with -m")
+    ap.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    return ap.parse_args(argv)
+
+
+def _exit_code(e: SystemExit) -> int:
+    """What the interpreter makes of ``sys.exit(code)``."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)  # sys.exit("message"): printed, exit 1
+    return 1
+
+
+def _script_frames(tb):
+    """The traceback without our frames and runpy's: what ``python SCRIPT`` would print."""
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") in (__name__, "runpy"):
+        tb = tb.tb_next
+    return tb
+
+
+def _record_error(e: BaseException, text: str) -> None:
+    from resilient.agent.api import NODE_ID_ENV, RUN_DIR_ENV
+    from resilient.events import EventLog
+
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return  # not under resilient launch: the traceback on stderr is all there is
+    try:
+        EventLog(os.path.join(run_dir, "events.jsonl"), node=os.environ.get(NODE_ID_ENV),
+                 rank=int(os.environ.get("RANK", "-1"))).emit(
+            "worker_error", error=f"{type(e).__name__}: {e}", traceback=text)
+    except OSError as log_error:  # the traceback is on stderr anyway
+        print(f"resilient: could not record the worker_error event: {log_error}", file=sys.stderr)
+
+
+def run(module: bool, target: str, args: list[str]) -> int:
+    """Run the script or module as ``__main__``; its exit code."""
+    try:
+        if module:
+            sys.argv = [target, *args]  # run_module sets argv[0] to the module's file
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            sys.path[0] = os.path.dirname(os.path.realpath(target))
+            runpy.run_path(target, run_name="__main__")
+        return 0
+    except SystemExit as e:
+        return _exit_code(e)
+    except BaseException as e:
+        text = "".join(traceback.format_exception(type(e), e, _script_frames(e.__traceback__)))
+        sys.stderr.write(text)
+        _record_error(e, text)
+        return 1
+
+
+def main(argv: list[str]) -> int:
+    a = _parse(argv)
+    code = run(a.module, a.target, a.args)
+    # The script's atexit handlers run as at the end of `python SCRIPT`; then leave at once, as
+    # the built-in worker does: interpreter shutdown with gloo's threads alive can hang.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

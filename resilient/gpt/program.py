@@ -1,0 +1,79 @@
+"""How ``resilient launch CONFIG.toml`` runs the built-in GPT: its :class:`~resilient.launch.Program`.
+
+Everything the launcher knows of the trainer is here: the config is read and its layout
+validated for every world size the job may take (``--nnodes MIN:MAX`` × processes per
+node), the corpus checked, before anything starts; the workers run
+:mod:`resilient.gpt.worker` with the resolved config as JSON. The command line hands
+:func:`gpt_program` to :func:`resilient.launch.launch`, so the runtime never imports the
+trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from resilient.errors import ConfigError
+
+if TYPE_CHECKING:
+    from resilient.gpt.config import Config
+    from resilient.launch import Program
+
+GPT_ENTRY = "resilient.gpt.worker"
+GPT_PRELOAD = ("torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
+               "resilient.gpt.train", "resilient.gpt.worker",
+               "resilient.sdc.native:library")  # the SDC kernels: built once per machine, loaded once for every fork
+
+
+def gpt_program(args: argparse.Namespace) -> Program:
+    """The built-in GPT from ``CONFIG.toml`` and ``--set``: its layout validated for every world
+    size the job may take (``--nnodes MIN:MAX`` x processes per node) and its corpus checked,
+    before anything starts."""
+    from resilient.configbase import read_toml
+    from resilient.gpt.config import load_config
+    from resilient.launch import Program, node_counts
+    from resilient.runconfig import RUNTIME_SECTIONS, RuntimeConfig
+
+    with contextlib.suppress(FileNotFoundError):  # load_config says what to do about that
+        table = read_toml(args.config, "config file")
+        gpt_keys = [o for o in args.overrides if o.partition(".")[0].strip() not in RUNTIME_SECTIONS]
+        if table and set(table) <= set(RUNTIME_SECTIONS) and not gpt_keys:
+            raise ConfigError(
+                f"{args.config} holds only [{'], ['.join(sorted(table))}]: a runtime config, not a GPT run config "
+                f"(which has [model], [train], [data], ...). To run a script with it: resilient launch --config "
+                f"{args.config} SCRIPT [ARGS...]")
+    cfg = load_config(args.config, args.overrides)
+    nproc, nnodes = node_counts(args, cfg.launch, cfg.default_world_size())
+    bad = []
+    for n in range(nnodes[0], nnodes[1] + 1):
+        try:
+            cfg.validate_layout(n * nproc)
+        except ConfigError as e:
+            bad.append(f"{n} node(s) × {nproc} = {n * nproc} processes: {e}")
+    if bad:
+        raise ConfigError("the layout does not fit every world size this job may take:\n  " + "\n  ".join(bad))
+    from resilient.gpt.data import check_corpus  # imports torch: after the quick checks
+
+    check_corpus(cfg.data.path, cfg.data.source)  # before etcd and workers start, not in each worker
+
+    def argv(run_dir: Path, node: str) -> list[str]:
+        return ["--config", str(write_config(cfg, run_dir)), "--run-dir", str(run_dir), "--node", node]
+
+    return Program(entry=GPT_ENTRY, preload=GPT_PRELOAD,
+                   runtime=RuntimeConfig(snapshot=cfg.snapshot, launch=cfg.launch, sdc=cfg.sdc, source=cfg.source),
+                   job_digest=cfg.job_digest(), nproc=cfg.default_world_size(),
+                   describe=f"{cfg.model.num_params() / 1e6:.2f}M parameters", name=Path(args.config).stem,
+                   heartbeats=True, argv=argv, params=cfg.model.num_params(), device=cfg.train.device)
+
+
+def write_config(cfg: Config, run_dir: Path) -> Path:
+    """Write the GPT's resolved config for this node's workers; returns its path (see
+    :func:`write_content_addressed`). ``config.json`` is also written, for people and tools."""
+    from resilient.launch import write_content_addressed
+
+    return write_content_addressed(run_dir, "config", json.dumps(cfg.to_dict(), indent=1))
+
+

@@ -1,0 +1,195 @@
+"""Peer channel integrity in flight: a flipped bit anywhere after the handshake (a header,
+a payload byte, a tag) is caught by the frame MAC, in both directions, and frames cannot
+be replayed from another connection or reordered."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from resilient.secret import JobSecret
+from resilient.snapshot.nodestore import NodeStore
+from resilient.snapshot.peer import PIECE, PeerClient, PeerError, PeerServer, PeerTampered, _Channel
+
+REL = "step-000000000007/abc123-000001/r00003-p0000.bin"
+SECRET = bytes(range(32))
+PAYLOAD = bytes(range(256)) * 600  # 150 KiB: one piece
+
+
+class FlipProxy:
+    """Forwards one connection at a time to ``upstream``; flips bit 0 of the byte at offset
+    ``flip`` of the ``direction`` stream ("c2s" or "s2c"), counted from the connection's
+    start. Counts the bytes of each direction (a clean run measures the layout)."""
+
+    def __init__(self, upstream: tuple[str, int], direction: str = "c2s", flip: int | None = None):
+        self.upstream, self.direction, self.flip = upstream, direction, flip
+        self.counts = {"c2s": 0, "s2c": 0}
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.socks: list[socket.socket] = [self.listener]
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        try:
+            client, _ = self.listener.accept()
+        except OSError:
+            return
+        server = socket.create_connection(self.upstream)
+        self.socks += [client, server]
+        for src, dst, d in ((client, server, "c2s"), (server, client, "s2c")):
+            t = threading.Thread(target=self._pump, args=(src, dst, d), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
+        try:
+            while data := src.recv(65536):
+                start = self.counts[direction]
+                self.counts[direction] += len(data)
+                if direction == self.direction and self.flip is not None and start <= self.flip < start + len(data):
+                    buf = bytearray(data)
+                    buf[self.flip - start] ^= 1
+                    data = bytes(buf)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        for s in self.socks:  # shutdown wakes a thread blocked in recv/accept; close alone does not
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        for t in self.threads:
+            t.join(5)
+
+
+@pytest.fixture
+def server(tmp_path):
+    store = NodeStore(tmp_path, "job", "n0")
+    store.create()
+    srv = PeerServer(store, SECRET, host="127.0.0.1")
+    yield store, srv
+    srv.close()
+    store.remove()
+
+
+def _exchange(srv: PeerServer, op: str, direction: str = "c2s", flip: int | None = None) -> tuple[dict, object]:
+    """One put or get through the proxy; returns the byte counts and the result (or the error)."""
+    host, _, port = srv.address.rpartition(":")
+    proxy = FlipProxy((host, int(port)), direction, flip)
+    try:
+        with PeerClient(proxy.address, SECRET) as c:
+            try:
+                result = c.put(REL, PAYLOAD) if op == "put" else c.get(REL)
+            except PeerError as e:
+                result = e
+    finally:
+        proxy.close()
+    return dict(proxy.counts), result
+
+
+@pytest.mark.parametrize("where", ["header", "payload start", "payload end", "tag"])
+def test_a_flipped_bit_in_a_put_is_caught_and_nothing_is_stored(server, where):
+    store, srv = server
+    counts, ok = _exchange(srv, "put")  # clean run: the layout of the client's stream
+    assert ok is None and store.read(REL) == PAYLOAD
+    store.file(REL).unlink()
+    total = counts["c2s"]
+    payload_at = total - 32 - len(PAYLOAD)
+    offset = {"header": payload_at - 40, "payload start": payload_at, "payload end": total - 33,
+              "tag": total - 1}[where]
+    _, err = _exchange(srv, "put", "c2s", offset)
+    assert isinstance(err, PeerError)
+    assert not store.file(REL).exists()
+    with PeerClient(srv.address, SECRET) as c:  # the server lives on for honest clients
+        c.put(REL, PAYLOAD)
+        assert c.get(REL, 7, 5) == PAYLOAD[7:12]
+
+
+@pytest.mark.parametrize("where", ["header", "payload start", "payload end", "tag"])
+def test_a_flipped_bit_in_a_get_is_caught(server, where):
+    store, srv = server
+    with PeerClient(srv.address, SECRET) as c:
+        c.put(REL, PAYLOAD)
+    counts, got = _exchange(srv, "get")
+    assert got == PAYLOAD
+    total = counts["s2c"]
+    payload_at = total - 32 - len(PAYLOAD)
+    offset = {"header": payload_at - 40, "payload start": payload_at, "payload end": total - 33,
+              "tag": total - 1}[where]
+    _, err = _exchange(srv, "get", "s2c", offset)
+    assert isinstance(err, PeerError), err
+    if where != "header":  # a bad header may also read as a malformed one; a payload byte is named
+        assert "tampered" in str(err)
+
+
+def _pair(secret: JobSecret, cn: bytes, sn: bytes) -> tuple[_Channel, _Channel, socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    return (_Channel.after_handshake(a, secret, cn, sn, server=False),
+            _Channel.after_handshake(b, secret, cn, sn, server=True), a, b)
+
+
+def test_frames_cannot_be_replayed_from_another_connection_or_reordered():
+    secret = JobSecret(SECRET)
+    sender, receiver, a, b = _pair(secret, b"c" * 32, b"s" * 32)
+    try:
+        # frames recorded on one connection...
+        sender.send({"op": "get", "path": REL})
+        sender.send({"op": "put", "path": REL, "size": 3, "crc": 0}, b"abc")
+        recorded = b.recv(65536)
+        first_len = 4 + int.from_bytes(recorded[:4], "big") + 32
+        header1, header2_and_piece = recorded[:first_len], recorded[first_len:]
+        # ...do not verify on another connection (other nonces: another key)
+        _, other_receiver, c, d = _pair(secret, b"C" * 32, b"S" * 32)
+        try:
+            c.sendall(header1)
+            with pytest.raises(PeerTampered):
+                other_receiver.recv_header()
+        finally:
+            c.close()
+            d.close()
+        # ...nor out of order on their own (a fresh receiver expects frame 0 first)
+        _, fresh, e, f = _pair(secret, b"c" * 32, b"s" * 32)
+        try:
+            e.sendall(header2_and_piece)
+            with pytest.raises(PeerTampered):
+                fresh.recv_header()
+        finally:
+            e.close()
+            f.close()
+        # in order, on their own connection, they verify
+        a2, b2 = socket.socketpair()
+        try:
+            ok = _Channel.after_handshake(b2, secret, b"c" * 32, b"s" * 32, server=True)
+            a2.sendall(recorded)
+            assert ok.recv_header()["op"] == "get"
+            assert ok.recv_header()["size"] == 3
+            assert ok.recv_payload(3) == b"abc"
+        finally:
+            a2.close()
+            b2.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_pieces_are_tagged_one_by_one(server):
+    """A payload over one piece (PIECE bytes) goes out as several tagged frames and comes back whole."""
+    store, srv = server
+    big = bytes(range(251)) * ((PIECE * 2 + 1000) // 251)
+    with PeerClient(srv.address, SECRET) as c:
+        c.put(REL, big)
+        assert c.get(REL) == big
+        # sent: the put header, 3 pieces, the get header; received: the put reply, the get reply, 3 pieces
+        assert c.chan.sent == 5 and c.chan.received == 5
