@@ -43,7 +43,7 @@ RESULTS = BENCH / "results"
 QUICK = RESULTS / "quick"  # quick mode's own JSON, PNG and RESULTS.md: full-mode figures are never overwritten
 # Run order: cheap in-process rows first, training jobs last; chaos only reads a report.
 ORDER = ["stall", "durable", "restore", "ckpt", "overhead", "sdc", "recovery", "recovery_big", "recovery_node", "lostwork",
-         "chaos"]
+         "ownscript", "chaos"]
 # Rows of issue 9 that no module measures yet, with why.
 PLANNED: dict[str, str] = {}
 

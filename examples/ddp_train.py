@@ -10,17 +10,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from toy import Batches, ResumableSampler, TinyTransformer, arguments, trace
+from toy import Batches, ResumableSampler, TinyTransformer, arguments, init_process_group, trace
 
 import resilient  # resilient
 
 
 def main() -> None:
     args = arguments()
-    dist.init_process_group("gloo")
+    init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model = DistributedDataParallel(TinyTransformer())
+    model = DistributedDataParallel(TinyTransformer(args.dim, args.layers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sampler = ResumableSampler(args.dataset_size, args.seed)
     batches = Batches(model, sampler, args, rank, world)

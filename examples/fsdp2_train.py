@@ -23,17 +23,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from toy import Batches, ResumableSampler, TinyTransformer, arguments, trace
+from toy import Batches, ResumableSampler, TinyTransformer, arguments, init_process_group, trace
 
 import resilient  # resilient
 
 
 def main() -> None:
     args = arguments()
-    dist.init_process_group("gloo")
+    init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model = TinyTransformer()
+    model = TinyTransformer(args.dim, args.layers)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)

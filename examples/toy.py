@@ -11,15 +11,9 @@ from torch import nn
 VOCAB, SEQ = 32, 16
 
 
-# The model's size when a script builds ``TinyTransformer()`` as is: ``arguments()`` sets it from
-# ``--dim``/``--layers`` (the benchmarks want a state big enough that a snapshot is not free).
-SIZE = {"dim": 32, "layers": 2}
-
-
 class TinyTransformer(nn.Module):
-    def __init__(self, dim: int | None = None, layers: int | None = None, heads: int = 2):
+    def __init__(self, dim: int = 32, layers: int = 2, heads: int = 2):
         super().__init__()
-        dim, layers = dim or SIZE["dim"], layers or SIZE["layers"]
         self.embed = nn.Embedding(VOCAB, dim)
         self.pos = nn.Parameter(torch.randn(SEQ, dim) * 0.02)
         self.layers = nn.ModuleList(
@@ -81,11 +75,22 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--trace", default="", help="append each rank's sample ids per step here (JSON lines)")
     ap.add_argument("--pace", type=float, default=0.0, help="sleep this long in each step: time to watch the "
                     "tiers, or to kill a worker or a node mid-run")
-    ap.add_argument("--dim", type=int, default=SIZE["dim"], help="model width (a multiple of 2, the heads)")
-    ap.add_argument("--layers", type=int, default=SIZE["layers"], help="transformer layers")
-    args = ap.parse_args()
-    SIZE.update(dim=args.dim, layers=args.layers)
-    return args
+    ap.add_argument("--dim", type=int, default=32, help="model width (a multiple of 2, the heads)")
+    ap.add_argument("--layers", type=int, default=2, help="transformer layers")
+    return ap.parse_args()
+
+
+def init_process_group() -> None:
+    """gloo over the launcher's environment (torchrun, ``resilient launch``); under plain
+    ``python``, a job of one process."""
+    import os
+
+    import torch.distributed as dist
+
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def trace(path: str, step: int, rank: int, world: int, ids: list[int]) -> None:
