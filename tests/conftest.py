@@ -95,3 +95,18 @@ def restore_share_env():
         os.environ.pop(SHARE_STORE_ENV, None)
     else:
         os.environ[SHARE_STORE_ENV] = saved
+
+
+@pytest.fixture
+def peer_server(tmp_path):
+    """A node store with a peer server on loopback, authenticated with ``bytes(range(32))``
+    (tests/test_peer_auth.py, tests/test_peer_mac.py): ``(store, server)``."""
+    from resilient.snapshot.nodestore import NodeStore
+    from resilient.snapshot.peer import PeerServer
+
+    store = NodeStore(tmp_path, "job", "n0")
+    store.create()
+    srv = PeerServer(store, bytes(range(32)), host="127.0.0.1")
+    yield store, srv
+    srv.close()
+    store.remove()

@@ -17,18 +17,8 @@ REL = "step-000000000007/abc123-000001/r00003-p0000.bin"
 SECRET = bytes(range(32))
 
 
-@pytest.fixture
-def server(tmp_path):
-    store = NodeStore(tmp_path, "job", "n0")
-    store.create()
-    srv = PeerServer(store, SECRET, host="127.0.0.1")
-    yield store, srv
-    srv.close()
-    store.remove()
-
-
-def test_member_writes_and_reads_ranges(server):
-    store, srv = server
+def test_member_writes_and_reads_ranges(peer_server):
+    store, srv = peer_server
     with PeerClient(srv.address, SECRET) as c:
         c.put(REL, b"0123456789" * 1000)
         assert c.get(REL, 5, 7) == b"5678901"
@@ -36,8 +26,8 @@ def test_member_writes_and_reads_ranges(server):
     assert store.read(REL, 10, 3) == b"012"
 
 
-def test_without_the_secret_nothing_is_read_or_written(server):
-    store, srv = server
+def test_without_the_secret_nothing_is_read_or_written(peer_server):
+    store, srv = peer_server
     with PeerClient(srv.address, SECRET) as c:
         c.put(REL, b"payload")
     with pytest.raises(PeerAuthError):
@@ -71,8 +61,8 @@ def test_client_refuses_a_server_without_the_secret(tmp_path):
         store.remove()
 
 
-def test_bad_paths_and_missing_objects(server):
-    store, srv = server
+def test_bad_paths_and_missing_objects(peer_server):
+    store, srv = peer_server
     with PeerClient(srv.address, SECRET) as c:
         with pytest.raises(PeerError):
             c.put("../../etc/passwd", b"x")

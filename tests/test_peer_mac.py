@@ -10,11 +10,10 @@ import threading
 import pytest
 
 from resilient.secret import JobSecret
-from resilient.snapshot.nodestore import NodeStore
 from resilient.snapshot.peer import PIECE, PeerClient, PeerError, PeerServer, PeerTampered, _Channel
 
 REL = "step-000000000007/abc123-000001/r00003-p0000.bin"
-SECRET = bytes(range(32))
+SECRET = bytes(range(32))  # the peer_server fixture's (conftest.py)
 PAYLOAD = bytes(range(256)) * 600  # 150 KiB: one piece
 
 
@@ -74,16 +73,6 @@ class FlipProxy:
             t.join(5)
 
 
-@pytest.fixture
-def server(tmp_path):
-    store = NodeStore(tmp_path, "job", "n0")
-    store.create()
-    srv = PeerServer(store, SECRET, host="127.0.0.1")
-    yield store, srv
-    srv.close()
-    store.remove()
-
-
 def _exchange(srv: PeerServer, op: str, direction: str = "c2s", flip: int | None = None) -> tuple[dict, object]:
     """One put or get through the proxy; returns the byte counts and the result (or the error)."""
     host, _, port = srv.address.rpartition(":")
@@ -100,8 +89,8 @@ def _exchange(srv: PeerServer, op: str, direction: str = "c2s", flip: int | None
 
 
 @pytest.mark.parametrize("where", ["header", "payload start", "payload end", "tag"])
-def test_a_flipped_bit_in_a_put_is_caught_and_nothing_is_stored(server, where):
-    store, srv = server
+def test_a_flipped_bit_in_a_put_is_caught_and_nothing_is_stored(peer_server, where):
+    store, srv = peer_server
     counts, ok = _exchange(srv, "put")  # clean run: the layout of the client's stream
     assert ok is None and store.read(REL) == PAYLOAD
     store.file(REL).unlink()
@@ -118,8 +107,8 @@ def test_a_flipped_bit_in_a_put_is_caught_and_nothing_is_stored(server, where):
 
 
 @pytest.mark.parametrize("where", ["header", "payload start", "payload end", "tag"])
-def test_a_flipped_bit_in_a_get_is_caught(server, where):
-    store, srv = server
+def test_a_flipped_bit_in_a_get_is_caught(peer_server, where):
+    store, srv = peer_server
     with PeerClient(srv.address, SECRET) as c:
         c.put(REL, PAYLOAD)
     counts, got = _exchange(srv, "get")
@@ -184,9 +173,9 @@ def test_frames_cannot_be_replayed_from_another_connection_or_reordered():
         b.close()
 
 
-def test_pieces_are_tagged_one_by_one(server):
+def test_pieces_are_tagged_one_by_one(peer_server):
     """A payload over one piece (PIECE bytes) goes out as several tagged frames and comes back whole."""
-    store, srv = server
+    store, srv = peer_server
     big = bytes(range(251)) * ((PIECE * 2 + 1000) // 251)
     with PeerClient(srv.address, SECRET) as c:
         c.put(REL, big)

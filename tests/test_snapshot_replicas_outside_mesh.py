@@ -27,7 +27,8 @@ VOCAB, DIM = 10, 8  # 10 rows: uneven FSDP2 shards of the embedding over dp=2 ar
 
 def tiny_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.ModuleDict({"emb": torch.nn.Embedding(VOCAB, DIM), "proj": torch.nn.Linear(DIM, 12)})
+    from collections import OrderedDict
+    return torch.nn.Sequential(OrderedDict(emb=torch.nn.Embedding(VOCAB, DIM), proj=torch.nn.Linear(DIM, 12)))
 
 
 def full_values(state: dict) -> dict[str, torch.Tensor]:
@@ -35,6 +36,7 @@ def full_values(state: dict) -> dict[str, torch.Tensor]:
 
 
 def write_dp2_tp2_then_restore_dp4(rank: int, world: int, url: str) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -52,6 +54,9 @@ def write_dp2_tp2_then_restore_dp4(rank: int, world: int, url: str) -> dict[str,
     with Snapshotter(url, layout={"dp": 2, "tp": 2}, chunk_bytes=64) as snap:
         snap.save(1, state, force=True)
         assert snap.wait(timedelta(seconds=60))
+        dist.barrier()  # every rank's upload is done before rank 0's committer is drained
+        assert snap.wait(timedelta(seconds=60))
+        assert rank != 0 or snap.committed_step == 1, "the commit was refused (see the warning above)"
     # Another layout in the same processes: FSDP2 over all 4 ranks, no TP, zeroed first.
     other = tiny_model()
     fully_shard(other, mesh=init_device_mesh("cpu", (4,)))

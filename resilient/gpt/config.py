@@ -28,7 +28,7 @@ from typing import Any
 
 from resilient.configbase import explain, knob, load_section, read_toml, section_to_dict
 from resilient.errors import ConfigError
-from resilient.runconfig import LaunchConfig, SdcConfig, SnapshotConfig, apply_overrides
+from resilient.runconfig import RuntimeConfig, apply_overrides
 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # several stages per rank
@@ -123,22 +123,14 @@ class DataConfig:
 
 
 @dataclass
-class Config:
-    """A whole run config. ``source`` names the file it was read from."""
+class Config(RuntimeConfig):
+    """A whole run config: the runtime's sections ([snapshot], [launch], [sdc]) and the
+    GPT's own. ``source`` names the file it was read from."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    sdc: SdcConfig = field(default_factory=SdcConfig)
-    source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
-
-    def to_dict(self) -> dict:
-        d = section_to_dict(self)
-        d.pop("source")
-        return d
 
     def digest(self) -> str:
         """A hash of what determines the model's structure (not the schedule)."""

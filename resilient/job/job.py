@@ -179,8 +179,7 @@ class Job:
     # ---------------------------------------------------------------- set-up
     @staticmethod
     def _config(config) -> RuntimeConfig:
-        if isinstance(config, RuntimeConfig) or (config is not None and hasattr(config, "snapshot")
-                                                 and hasattr(config, "sdc")):
+        if isinstance(config, RuntimeConfig):   # a trainer's whole config may extend it (the GPT's)
             return config
         if config is not None:
             return load_runtime_config(config)
