@@ -81,7 +81,7 @@ def test_a_node_launched_with_another_job_config_is_refused(corpus, tmp_path, et
                        endpoint=etcd.endpoint, nproc=1)
         assert second.wait(120) != 0
         out = second.output()
-        assert "error:" in out and "['a']" in out and "another config" in out, out[-2000:]
+        assert "error:" in out and "['a']" in out and "another job" in out, out[-2000:]
         assert mine[0].read_text() == before
         assert not [e for e in events(run, "agent_start") if e["node"] == "b"]
     finally:

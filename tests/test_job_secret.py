@@ -28,8 +28,11 @@ VALUE = "f" * 64
 
 @pytest.fixture
 def no_secret_env(monkeypatch):
-    monkeypatch.delenv(SECRET_ENV, raising=False)
-    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    # setenv first: it records the original state (absent included), so what provide_job_secret
+    # writes into os.environ is undone after the test instead of leaking into later agents
+    for key in (SECRET_ENV, SECRET_FILE_ENV):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
 
 
 def _file(path, text: str = VALUE, mode: int = 0o600):
