@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterable, Protocol
 
 from resilient.events import EventLog
 
-from .disk import FillDisk
+from .disk import FillDisk, FillStore, small_volume
 from .injectors import (
-    Action, ControlRequest, EtcdMemberLoss, HangProcess, InjectionFailed, InjectionRecord, Injector, KillProcess, Member,
+    Action, ControlRequest, EtcdMemberKill, EtcdMemberLoss, HangProcess, InjectionFailed, InjectionRecord, Injector, KillProcess, Member,
     Preempt, emit_record,
 )
 from .netns import LinkCut, NetLab, PacketLoss, Partition
@@ -109,6 +109,11 @@ def make_injector(f: PlannedFault, job: JobHandles) -> Injector:
             return Unavailable(k, "no etcd members known to the runner", **kw)
         chosen = [members[(t.index + i) % len(members)] for i in range(p.members)]
         return EtcdMemberLoss(chosen, **kw)
+    if k == "embedded-etcd-kill":
+        if not job.etcd_members:
+            return Unavailable(k, "no etcd members known to the runner", **kw)
+        return EtcdMemberKill(job.etcd_members[t.index % len(job.etcd_members)],
+                              settle=timedelta(seconds=p.settle_seconds), **kw)
     if k in ("storage-flaky", "bitflip"):
         params = dataclasses.asdict(p)
         if k == "bitflip":
@@ -118,6 +123,11 @@ def make_injector(f: PlannedFault, job: JobHandles) -> Injector:
         if job.durable_path is None:
             return Unavailable(k, "the durable tier is not on a small volume (SmallVolume needs root)", **kw)
         return FillDisk(job.durable_path, **kw)
+    if k == "store-full":
+        store = getattr(job, "store_dir", None)
+        if store is None or not small_volume(store):
+            return Unavailable(k, "the node stores are not on a small volume (SmallVolume needs root)", **kw)
+        return FillStore(store, **kw)
     if k == "scale-down":
         return Action(k, do=lambda: job.stop_node(t.index), check=lambda: not job.node_alive(t.index), settle=timedelta(seconds=60), **kw)
     if k == "scale-up":

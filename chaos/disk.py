@@ -82,6 +82,15 @@ class SmallVolume:
         self.close()
 
 
+def small_volume(path: str | os.PathLike, max_bytes: int = 1 << 30) -> bool:
+    """Whether ``path`` is on a filesystem small enough for :class:`FillDisk` to fill."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_blocks * st.f_frsize <= max_bytes
+
+
 class FillDisk(Injector):
     """Fill the filesystem holding ``path`` until writes raise ENOSPC.
 
@@ -148,3 +157,11 @@ class FillDisk(Injector):
 
     def _clear(self) -> None:
         self.filler.unlink(missing_ok=True)
+
+
+class FillStore(FillDisk):
+    """Fill the filesystem of the node stores (``snapshot.store_dir``, a SmallVolume): every
+    rank's next versions fail to land in RAM, and the job must go on with the other tiers,
+    saying so once (``store_full``)."""
+
+    kind = "store-full"

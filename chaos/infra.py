@@ -31,6 +31,7 @@ class Infra:
         self.sc, self.run_dir, self.volume_bytes = sc, Path(run_dir), volume_bytes
         self.netlab: NetLab | None = None
         self.volume: SmallVolume | None = None
+        self.store_volume: SmallVolume | None = None  # the node stores' (snapshot.store_dir), for store-full
         self.proxies: dict[str, TcpProxy] = {}
         self.unavailable: dict[str, str] = {}
         self.control_dir = self.run_dir / "chaos" / "control"
@@ -39,6 +40,10 @@ class Infra:
     @property
     def durable_path(self) -> Path | None:
         return self.volume.path if self.volume is not None else None
+
+    @property
+    def store_path(self) -> Path | None:
+        return self.store_volume.path if self.store_volume is not None else None
 
     def __enter__(self) -> "Infra":
         self.control_dir.mkdir(parents=True, exist_ok=True)
@@ -56,6 +61,12 @@ class Infra:
                     self.unavailable["disk-full"] = reason
                 else:
                     self.volume = self._stack.enter_context(SmallVolume(self.volume_bytes))
+            if "store-full" in kinds:
+                reason = mount_unavailable()
+                if reason:
+                    self.unavailable["store-full"] = reason
+                else:
+                    self.store_volume = self._stack.enter_context(SmallVolume(self.volume_bytes))
         except BaseException:
             self._stack.close()
             raise
@@ -78,6 +89,8 @@ class Infra:
         if any(f.kind == "storage-flaky" for f in self.sc.faults):
             url = "faulty::" + (url or self.durable_default())
         extra = [f"snapshot.durable_url={url}"] if url else []
+        if self.store_volume is not None:
+            extra.append(f'snapshot.store_dir="{self.store_volume.path}"')
         return [*self.sc.training.overrides, *extra]
 
     def durable_plain_url(self) -> str:
@@ -94,7 +107,7 @@ class Infra:
         ports."""
         return {
             "labs": [self.netlab] if self.netlab is not None else [],
-            "mounts": [self.volume.path] if self.volume is not None else [],
+            "mounts": [v.path for v in (self.volume, self.store_volume) if v is not None],
             "ports": [p.address[1] for p in self.proxies.values()],
         }
 

@@ -416,6 +416,41 @@ class EtcdMemberLoss(Injector):
                 raise InjectionFailed(f"etcd members {wrong} not serving after restart")
 
 
+class EtcdMemberKill(Injector):
+    """``kill -9`` of one etcd member's process from outside (an OOM kill, a stray kill),
+    verified undone by its watch (:meth:`resilient.etcd.server.EmbeddedEtcd.watch`, what
+    ``resilient launch`` runs on the etcd it embeds): the member must serve again, as a new
+    process on the same ports and data, within ``settle``. Instantaneous: nothing to clear."""
+
+    kind = "embedded-etcd-kill"
+
+    def __init__(self, member: Any, *, settle: timedelta = timedelta(seconds=15), **kw: Any) -> None:
+        super().__init__(**kw)
+        self.member, self.settle = member, settle
+
+    def _inject(self) -> str:
+        from resilient.etcd import EtcdError
+
+        old = self.member.pid
+        if old is None or not self.member.is_running():
+            raise InjectionFailed(f"etcd member {self.member} is not running: nothing to kill")
+        t0 = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+        deadline = t0 + self.settle.total_seconds()
+        while time.monotonic() < deadline:
+            new = self.member.pid
+            if new not in (None, old):
+                try:
+                    with self.member.client(retry_timeout=timedelta(seconds=max(0.1, deadline - time.monotonic()))) as c:
+                        c.check(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+                except EtcdError:
+                    break
+                return f"killed etcd member pid {old}; its watch restarted it as pid {new} in {time.monotonic() - t0:.1f} s"
+            time.sleep(0.05)
+        raise InjectionFailed(f"etcd member pid {old} was not serving again within {self.settle} of its kill "
+                              "(is it watched? EmbeddedEtcd.watch)")
+
+
 # --------------------------------------------------------------------------
 # faults carried out inside the job (SDC hook, faulty fsspec): control files
 # --------------------------------------------------------------------------

@@ -52,8 +52,10 @@ SURVIVING_TIERS: dict[str, tuple[str, ...]] = {
     "bandwidth": ALL_TIERS,
     "reset": ALL_TIERS,
     "etcd-loss": ALL_TIERS,
+    "embedded-etcd-kill": ALL_TIERS,
     "storage-flaky": ALL_TIERS,
     "disk-full": ALL_TIERS,
+    "store-full": ALL_TIERS,   # the versions already in RAM stay; new ones land in the other tiers
     # A flip taints the versions committed after it: a rollback to an older
     # version is the correct response, so no tier binds the restore.
     "bitflip": (),

@@ -100,6 +100,9 @@ def _run_job(sc: Scenario, run_dir: Path, overrides: list[str], *, spares: int, 
     t0 = time.monotonic()
     driver: FaultDriver | None = None
     with EtcdService(members, host=host) as etcd:
+        if any(f.kind == "embedded-etcd-kill" for f in plan or ()):
+            for m in etcd.members:  # as resilient launch watches the etcd it embeds
+                m.watch()
         out.ports = etcd.ports
         endpoints = etcd.endpoints
         proxies: dict = {}

@@ -91,6 +91,13 @@ class EtcdLossParams:
 
 
 @dataclass
+class EtcdKillParams:
+    """embedded-etcd-kill: kill -9 one etcd member; its watch must restart it (same ports, data)."""
+
+    settle_seconds: float = knob(15.0, "how long the member's watch gets to have it serving again")
+
+
+@dataclass
 class StorageParams:
     """storage-flaky: object-store faults through the faulty fsspec wrapper."""
 
@@ -122,6 +129,13 @@ class DiskFullParams:
 
 
 @dataclass
+class StoreFullParams:
+    """store-full: fill the filesystem of the node stores (snapshot.store_dir, a small volume)."""
+
+    seconds: float = knob(20.0, "how long the node stores stay full")
+
+
+@dataclass
 class ScaleParams:
     """scale-down / scale-up: remove a node gracefully, or add one back."""
 
@@ -140,9 +154,11 @@ PARAMS_BY_KIND: dict[str, type] = {
     "bandwidth": ProxyParams,
     "reset": ProxyParams,
     "etcd-loss": EtcdLossParams,
+    "embedded-etcd-kill": EtcdKillParams,
     "storage-flaky": StorageParams,
     "bitflip": BitflipParams,
     "disk-full": DiskFullParams,
+    "store-full": StoreFullParams,
     "scale-down": ScaleParams,
     "scale-up": ScaleParams,
 }
@@ -154,8 +170,8 @@ _TARGET_SCOPES = {
     "kill-worker": ("rank",), "hang": ("rank", "node", "agent"), "preemption": ("node", "rank", "all"),
     "kill-node": ("node",), "partition": ("node",), "link-cut": ("link",), "packet-loss": ("node", "link"),
     "delay": ("etcd", "rendezvous"), "bandwidth": ("etcd", "rendezvous"),
-    "reset": ("etcd", "rendezvous"), "etcd-loss": ("etcd",), "storage-flaky": ("durable",),
-    "bitflip": ("rank",), "disk-full": ("durable", "local"), "scale-down": ("node",), "scale-up": ("node",),
+    "reset": ("etcd", "rendezvous"), "etcd-loss": ("etcd",), "embedded-etcd-kill": ("etcd",), "storage-flaky": ("durable",),
+    "bitflip": ("rank",), "disk-full": ("durable", "local"), "store-full": ("local",), "scale-down": ("node",), "scale-up": ("node",),
 }
 
 
@@ -304,10 +320,10 @@ class PlannedFault:
 
 def _resolve_target(t: Target, rng: random.Random, topo: Topology, kind: str) -> Target:
     """Pick a concrete index for 'random' targets from the topology. A bare
-    'etcd' is the whole service (proxy faults) except for etcd-loss, which
-    needs a member."""
+    'etcd' is the whole service (proxy faults) except for etcd-loss and
+    embedded-etcd-kill, which need a member."""
     if t.index is not None or t.scope in ("durable", "all", "etcd", "rendezvous", "local"):
-        if t.scope == "etcd" and t.index is None and kind == "etcd-loss":
+        if t.scope == "etcd" and t.index is None and kind in ("etcd-loss", "embedded-etcd-kill"):
             return Target("etcd", rng.randrange(topo.etcd_members))
         return t
     if t.scope == "rank":

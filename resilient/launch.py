@@ -326,10 +326,22 @@ def refuse_other_jobs(registry, digest: str, ttl: timedelta) -> None:
         "others, or give it another --run-id.")
 
 
+# How long the owner of an embedded etcd keeps it up for the other agents of the run once
+# its own agent is done: they leave within seconds of each other after a job ends (torch's
+# exit barrier), and a node that died is out once its lease lapses (launch.node_lease_ttl).
+LEAVE_WAIT = timedelta(seconds=15)
+
+
 @contextlib.contextmanager
-def etcd_endpoint(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
+def etcd_endpoint(args: argparse.Namespace, run_dir: Path, run_id: str | None = None,
+                  node: str | None = None) -> Iterator[str]:
     """The etcd to rendezvous through: given, shared through the run dir, or our own
-    (``--standalone``: always our own, shared with nobody)."""
+    (``--standalone``: always our own, shared with nobody).
+
+    Our own is watched (restarted on the same ports and data when it dies: the others'
+    clients ride through) and, at the end, kept up until the other agents of ``run_id``
+    have left (at most :data:`LEAVE_WAIT`), so that their last calls (the lease revoke,
+    the rendezvous close) succeed at once instead of retrying against a dead etcd."""
     from resilient.etcd import EmbeddedEtcd, EtcdClient, EtcdError
 
     if args.rdzv_endpoint:
@@ -346,6 +358,11 @@ def etcd_endpoint(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
         except EtcdError:
             pass  # a stale file from an ended run: start our own
     with EmbeddedEtcd() as etcd:
+        def restarted(code: int | None, seconds: float) -> None:
+            print(f"resilient: the embedded etcd at {etcd.endpoint} died (exit code {code}); restarted it on "
+                  f"the same ports and data in {seconds:.1f} s, the job goes on", file=sys.stderr, flush=True)
+
+        etcd.watch(on_restart=restarted)
         if args.standalone:
             yield etcd.endpoint
             return
@@ -358,6 +375,29 @@ def etcd_endpoint(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
             with contextlib.suppress(FileNotFoundError):
                 if shared.read_text().strip() == etcd.endpoint:
                     shared.unlink()
+            if run_id is not None:
+                wait_for_agents_to_leave(etcd, run_id, node, LEAVE_WAIT)
+
+
+def wait_for_agents_to_leave(etcd, run_id: str, node: str | None, bound: timedelta) -> list[str]:
+    """Wait until no agent of ``run_id`` but ``node`` is registered (each revokes its lease
+    as it leaves; a dead one's lapses), at most ``bound``; the ones still there."""
+    from resilient.agent.membership import registry_prefix
+    from resilient.etcd import EtcdError
+
+    prefix = registry_prefix(run_id)
+    deadline = time.monotonic() + bound.total_seconds()
+    others: list[str] = []
+    try:
+        with etcd.client(retry_timeout=timedelta(seconds=1)) as c:
+            while True:
+                others = [kv.key.decode()[len(prefix):] for kv in c.get_prefix(prefix)]
+                others = [n for n in others if n != node]
+                if not others or time.monotonic() >= deadline:
+                    return others
+                time.sleep(0.2)
+    except EtcdError:  # our etcd is gone: nobody can use it any more
+        return others
 
 
 def default_run_id(run_dir: Path) -> str:
@@ -453,7 +493,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     print(f"resilient: node {node}, {nproc} workers, {min_nodes}:{max_nodes} nodes, "
           f"{program.describe}, run dir {run_dir}", file=sys.stderr)
 
-    with etcd_endpoint(args, run_dir) as endpoint:
+    with etcd_endpoint(args, run_dir, run_id, node) as endpoint:
         register()
         conf = {"last_call_timeout": lc.last_call_timeout, "keep_alive_interval": lc.keep_alive_interval,
                 "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, **_rdzv_conf(args.rdzv_conf)}
@@ -471,6 +511,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             lease_ttl=timedelta(seconds=lc.node_lease_ttl),
             preemption_grace=timedelta(seconds=lc.preemption_grace),
             etcd_compact_interval=timedelta(seconds=lc.etcd_compact_interval),
+            etcd_outage=timedelta(seconds=lc.etcd_outage),
             run_id=run_id, etcd_endpoint=endpoint,
             etcd_factory=lambda: client_from_params(params),
             etcd_conf=worker_etcd_conf(_rdzv_conf(args.rdzv_conf)),
@@ -503,5 +544,6 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
                               f"(see the sdc_* events in {run_dir / 'events.jsonl'}); the other nodes go on without it")
         if result.is_failed():
             raise LaunchError(f"training failed: {agent.give_up_reason(result)}; see {run_dir / 'events.jsonl'}")
-        handler.shutdown()
+        if not agent.etcd_gone:  # else the owner of the embedded etcd left first: nothing to close
+            handler.shutdown()
     return 0

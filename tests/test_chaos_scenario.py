@@ -35,11 +35,12 @@ def test_soak_covers_every_kind_and_is_seeded():
     assert kinds == set(FAULT_KINDS)
     a, b = sc.plan(), sc.plan()
     assert a == b
-    # 50 of every kind, paced: every round of 16 has each kind once, a
+    # 50 of every kind, paced: every round (one fault per kind) has each kind once, a
     # scale-up right after each scale-down, on the node it stopped.
     assert all(f.paced for f in a) and len(a) == 50 * len(FAULT_KINDS)
+    n = len(FAULT_KINDS)
     for r in range(50):
-        assert {f.kind for f in a[16 * r:16 * (r + 1)]} == set(FAULT_KINDS)
+        assert {f.kind for f in a[n * r:n * (r + 1)]} == set(FAULT_KINDS)
     for down, up in zip(a, a[1:]):
         if down.kind == "scale-down":
             assert up.kind == "scale-up" and up.target == down.target

@@ -24,7 +24,13 @@ This class supplies the four hooks it leaves abstract and adds:
 - ``_shutdown`` on SIGTERM is a preemption: workers get SIGTERM and a grace
   period to finish the step and snapshot, then the node leaves the rendezvous
   and revokes its lease, so the others re-form now instead of after a timeout.
-  SIGINT (Ctrl-C) stops the node the same way.
+  SIGINT (Ctrl-C) stops the node the same way. Only a signal from outside is a
+  preemption: torch's ``run()`` also calls ``_shutdown`` with its default
+  SIGTERM when the loop raises, and such a stop keeps the reason the loop gave;
+- an etcd outage is ridden through: the workers train on (their snapshots stay
+  in the node's RAM) while the rendezvous cannot be read, for at most
+  ``etcd_outage``; then the node stops with :class:`EtcdOutage`. At the end an
+  etcd that is gone (the owner of an embedded one left first) is not called.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
 
-from resilient.agent.api import NODE_ID_ENV, NOT_DURABLE_EXIT, RUN_DIR_ENV, AgentSettings, FailureKind
+from resilient.agent.api import NODE_ID_ENV, NOT_DURABLE_EXIT, RUN_DIR_ENV, AgentError, AgentSettings, FailureKind
 from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
 from resilient.agent.membership import NodeRegistry
 from resilient.agent.pool import WarmPool, WorkerProcess
@@ -57,7 +63,8 @@ from resilient.agent.quarantine import QUARANTINE_EXIT, Quarantine
 from resilient.etcd.compactor import HistoryCompactor
 from resilient.events import EventLog, read_events
 from resilient.procs import OWNER, ignore_stop_signals, owner_record, reclaim_dirs
-from resilient.rendezvous.api import RendezvousRoundLost
+from resilient.etcd import EtcdError
+from resilient.rendezvous.api import RendezvousRoundLost, RendezvousUnavailable
 from resilient.runconfig import RUNTIME_CONFIG_ENV
 
 log = logging.getLogger(__name__)
@@ -67,6 +74,38 @@ MAX_STARTUP_FAILURES = 3
 # its workers) before the agent gives up: each attempt is a real re-join, bounded
 # by the join timeout, so this only stops a loop that would never settle.
 MAX_LOST_ROUNDS = 20
+
+
+class EtcdOutage(AgentError):
+    """etcd stayed unreachable for longer than ``launch.etcd_outage``: the node stopped."""
+
+    def __init__(self, endpoint: str, down: timedelta, bound: timedelta, run_dir: str):
+        self.endpoint, self.down, self.bound, self.run_dir = endpoint, down, bound, run_dir
+        super().__init__(endpoint, down, bound)
+
+    def __str__(self) -> str:
+        # Composed when printed: by then the workers have saved their newest step.
+        newest = newest_durable(Path(self.run_dir) / "events.jsonl")
+        saved = (f"the newest durable version is step {newest['step']} at {newest.get('url')}" if newest
+                 else "no durable version was written")
+        return (f"etcd at {self.endpoint} has been unreachable for {self.down.total_seconds():.0f} s "
+                f"(launch.etcd_outage = {self.bound.total_seconds():.0f} s): this node stopped its workers "
+                f"after they saved their newest step; {saved}. Relaunch the same command once etcd answers "
+                "(check it with `etcdctl --endpoints ... endpoint health`): the job resumes from the newest "
+                "durable version")
+
+
+def newest_durable(log_path: Path) -> dict | None:
+    """The ``commit`` event of the newest durable version in a run's event log, or None."""
+    newest = None
+    try:
+        for e in read_events(log_path):
+            if e.get("event") == "commit" and e.get("tier") == "durable" and (
+                    newest is None or e.get("step", -1) > newest.get("step", -1)):
+                newest = e
+    except OSError:
+        pass
+    return newest
 
 
 class ResilientAgent(SimpleElasticAgent):
@@ -94,6 +133,9 @@ class ResilientAgent(SimpleElasticAgent):
         self._refill_pending = False
         self.quarantined = False
         self.stop_reason: str | None = None   # why run() ended, for the agent_stop event
+        self._outside_signal: int | None = None  # the signal (SIGTERM, SIGINT) that ended run(), if one did
+        self._etcd_down_since: float | None = None  # monotonic time of the first failed read of an outage
+        self.etcd_gone = False                # at the end: etcd did not answer, its calls were skipped
         self.store = None
         if settings.store is not None and settings.etcd_factory is not None:
             from resilient.agent.store import NodeStoreService
@@ -115,6 +157,13 @@ class ResilientAgent(SimpleElasticAgent):
         if registry is not None and settings.etcd_compact_interval > timedelta(0):
             self.compactor = HistoryCompactor(registry.client, settings.etcd_compact_interval,
                                               key=f"/resilient/{settings.run_id}/")
+        # torch's loop (SimpleElasticAgent._invoke_run) asks the handler for waiting nodes at
+        # every healthy check and ends run() on the first error; an etcd outage must instead be
+        # ridden through for a while (see _nodes_waiting). The loop reads the handler through
+        # the spec, so the bound method is shadowed on this handler instance.
+        handler = spec.rdzv_handler
+        self._handler_nodes_waiting = handler.num_nodes_waiting
+        handler.num_nodes_waiting = self._nodes_waiting
 
     # -- the loop ---------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:
@@ -131,6 +180,10 @@ class ResilientAgent(SimpleElasticAgent):
             result = super()._invoke_run(role)
         except SignalException as e:
             self.stop_reason = signal.Signals(e.sigval).name
+            self._outside_signal = int(e.sigval)
+            raise
+        except EtcdOutage:
+            self.stop_reason = "etcd_outage"
             raise
         except RendezvousGracefulExitError:
             self.stop_reason = "rendezvous_closed"
@@ -148,6 +201,30 @@ class ResilientAgent(SimpleElasticAgent):
         else:
             self.stop_reason = f"workers_{result.state.name.lower()}"
         return result
+
+    def _nodes_waiting(self) -> int:
+        """The handler's ``num_nodes_waiting``, riding through an etcd outage: while etcd is
+        unreachable the workers train on (no node can join anyway) until ``etcd_outage``
+        has passed since the first failed read; then :class:`EtcdOutage` ends the run."""
+        started = time.monotonic()
+        try:
+            waiting = self._handler_nodes_waiting()
+        except RendezvousUnavailable as e:
+            if self._etcd_down_since is None:
+                self._etcd_down_since = started
+                log.warning("etcd at %s is unreachable; the workers train on, and this node stops if it "
+                            "stays so for %s (launch.etcd_outage): %s", self.settings.etcd_endpoint,
+                            self.settings.etcd_outage, e)
+            down = timedelta(seconds=time.monotonic() - self._etcd_down_since)
+            if down >= self.settings.etcd_outage:
+                raise EtcdOutage(self.settings.etcd_endpoint, down, self.settings.etcd_outage,
+                                 self.settings.run_dir) from e
+            return 0
+        if self._etcd_down_since is not None:
+            log.warning("etcd at %s answers again after %.0f s", self.settings.etcd_endpoint,
+                        time.monotonic() - self._etcd_down_since)
+            self._etcd_down_since = None
+        return waiting
 
     # -- rendezvous -----------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -303,6 +380,8 @@ class ResilientAgent(SimpleElasticAgent):
                                  failures=self._failure(worker_group, local_rank, wp, -signal.SIGKILL))
         self._refill_when_running()
         self._check_membership(worker_group)
+        if self.store is not None:
+            self.store.report_full()
         return RunResult(state=WorkerState.HEALTHY)
 
     def _refill_when_running(self) -> None:
@@ -359,21 +438,29 @@ class ResilientAgent(SimpleElasticAgent):
 
     # -- the end -----------------------------------------------------------------
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        # SIGTERM while workers still run is a preemption notice; the same
-        # default signal after the workers exited is just the end of run().
+        # A SIGTERM from outside while workers still run is a preemption notice. torch's run()
+        # also calls this with its default SIGTERM when the loop ends, on success and on an
+        # error (an etcd outage, a rendezvous failure): that stop is ours, not a preemption.
         running = any(p.poll() is None for p in self.procs.values())
+        outside = self._outside_signal is not None
         # Ctrl-C (SIGINT) takes the same path: the user wants the job stopped, not its
         # newest steps lost (the workers would die mid-step with a KeyboardInterrupt).
-        preempted = death_sig in (signal.SIGTERM, signal.SIGINT) and running
+        preempted = outside and death_sig in (signal.SIGTERM, signal.SIGINT) and running
+        # At the end, a dead etcd (the owner of an embedded one left first, an outage) is
+        # asked once, briefly: each call below would otherwise retry for the client's budget.
+        self.etcd_gone = self.etcd_gone or (self.registry is not None and not self._etcd_answers())
         if preempted:
             ignore_stop_signals()  # a second Ctrl-C must not abandon the workers half-way
             self.events.emit("preemption", signal=int(death_sig),
                              grace_seconds=self.settings.preemption_grace.total_seconds())
+        if running and death_sig in (signal.SIGTERM, signal.SIGINT):
+            # Preempted or stopped by our own decision: the workers finish the step and save.
             self._stop_workers(self._worker_group, signal.SIGTERM, self.settings.preemption_grace)
-            if self.store is not None:
+            if self.store is not None and not self.etcd_gone:
                 # The newest version must survive this node: replicate it before leaving.
                 self.store.flush(timedelta(seconds=10))
-            self._leave_rendezvous()
+            if not self.etcd_gone:
+                self._leave_rendezvous()
         else:
             self._stop_workers(self._worker_group, death_sig, timedelta(seconds=timeout))
         self.pool.close()
@@ -382,16 +469,51 @@ class ResilientAgent(SimpleElasticAgent):
         if self.compactor is not None:
             self.compactor.close()
         if self.registry is not None:
-            self.registry.leave()
+            if self.etcd_gone:
+                self.registry.lease.close(revoke=False)  # it lapses on its own, if etcd ever comes back
+            else:
+                self.registry.leave()
         shutil.rmtree(self._tmp, ignore_errors=True)
         if preempted:
             reason = "preempted" if death_sig == signal.SIGTERM else "interrupted"
-        elif running:
+        elif outside and running:
             reason = signal.Signals(death_sig).name
         else:
             # run() ends here on success and on every error: say which, not "finished" for all.
             reason = self.stop_reason or "error: the agent loop ended without a result"
         self.events.emit("agent_stop", reason=reason)
+
+    def _exit_barrier(self) -> None:
+        """torch's exit barrier (every agent waits for the others' workers to finish), without
+        its traceback for the two ends of it that are no error once this node's workers
+        succeeded: a member stopped sending keep-alives (it is gone: nobody to wait for), or
+        etcd is gone (the owner of the embedded one left first: nobody to wait with)."""
+        import torch.distributed.elastic.utils.store as store_util
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+
+        if self.registry is not None and not self._etcd_answers():
+            self.etcd_gone = True
+            return
+        self._in_exit_barrier = True
+        try:
+            store_util.barrier(store=self._store, world_size=self._worker_group.group_world_size,
+                               key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=self._exit_barrier_timeout)
+        except (RendezvousRoundLost, RendezvousUnavailable) as e:
+            log.info("not waiting for the other agents at the end: %s", e)
+        except SignalException:
+            raise
+        except Exception as e:  # as torch's: the workers succeeded, the node goes on leaving
+            log.warning("the exit barrier with the other agents failed: %s", e)
+        finally:
+            self._in_exit_barrier = False
+
+    def _etcd_answers(self, timeout: timedelta = timedelta(seconds=1)) -> bool:
+        try:
+            self.registry.client.check(timeout)
+            return True
+        except EtcdError:
+            log.info("etcd at %s does not answer at exit; skipping the calls to it", self.settings.etcd_endpoint)
+            return False
 
     def _leave_rendezvous(self) -> None:
         """Take this node out of the round's participants now.

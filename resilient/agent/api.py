@@ -64,6 +64,7 @@ class AgentSettings:
     lease_ttl: timedelta = timedelta(seconds=3)
     preemption_grace: timedelta = timedelta(seconds=20)
     etcd_compact_interval: timedelta = timedelta(minutes=5)  # zero: never (resilient.etcd.compactor)
+    etcd_outage: timedelta = timedelta(minutes=5)  # etcd unreachable this long: the node stops (ResilientAgent)
     run_id: str = ""
     etcd_endpoint: str = ""
     etcd_factory: Any = None            # () -> EtcdClient, for the node store service

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +25,7 @@ from resilient.secret import JobSecret, require_secret
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions
 from resilient.snapshot.nodestore import NodeStore
 from resilient.snapshot.peer import PeerServer
+from resilient.snapshot.storefull import full_since
 from resilient.snapshot.tiers import STORE_ENV, StoreInfo
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class NodeStoreService:
             self.store, self.client, run_id, node, secret, self.live_nodes,
             ReplicatorOptions(k=settings.replicas, keep=settings.keep, rate=settings.rate_bytes_s,
                               duty=settings.duty, max_stride=settings.max_stride), events)
+        self._full_seen = 0.0        # the time of the last full-store warning already reported
+        self._next_full_check = 0.0
         self.info = StoreInfo(base=str(settings.base), run_id=run_id, node=node, etcd=endpoint,
                               secret_file=str(self.secret_file), etcd_conf=dict(etcd_conf or {}))
 
@@ -76,6 +80,26 @@ class NodeStoreService:
 
     def env(self) -> dict[str, str]:
         return {STORE_ENV: self.info.to_env()}
+
+    def report_full(self, interval: float = 1.0) -> None:
+        """A ``store_full`` event each time a rank of this node warned that the store is full
+        (:mod:`resilient.snapshot.storefull`: at most once a minute); checked every ``interval`` s.
+        Here, not in the ranks: the store is the agent's, and the event is the node's."""
+        now = time.monotonic()
+        if now < self._next_full_check:
+            return
+        self._next_full_check = now + interval
+        warned = full_since(self.store.path, self._full_seen)
+        if warned is None:
+            return
+        self._full_seen = warned
+        try:
+            free = self.store.free_bytes()
+        except OSError:
+            free = 0
+        kept = [v.step for v in self.store.versions()]
+        self.events.emit("store_full", path=str(self.store.path), free_bytes=free, newest_kept=max(kept, default=None),
+                         fix="enlarge /dev/shm (or the filesystem of snapshot.store_dir) or lower snapshot.store_keep")
 
     def set_workers(self, ranks: set[int], world: int) -> None:
         self.replicator.set_workers(ranks, world)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -43,7 +44,7 @@ import warnings
 import weakref
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import requests
 
@@ -54,6 +55,7 @@ from resilient.procs import OWNER, owner_record, reclaim_dirs
 __all__ = ["EmbeddedEtcd", "find_etcd", "bundled_etcd", "free_port", "ETCD_BIN_ENV"]
 
 _LIVE: "weakref.WeakSet[EmbeddedEtcd]" = weakref.WeakSet()
+log = logging.getLogger(__name__)
 
 
 DIR_PREFIX = "resilient-etcd-"
@@ -200,6 +202,11 @@ class EmbeddedEtcd:
         self.peer_port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file = None
+        # The watch (see watch()): its thread, its stop flag, and a lock that keeps a
+        # restart and a deliberate close from crossing.
+        self._watch_thread: threading.Thread | None = None
+        self._watch_stop = threading.Event()
+        self._lifecycle = threading.RLock()
 
     # ------------------------------------------------------------ addresses
     @property
@@ -228,6 +235,10 @@ class EmbeddedEtcd:
     # ------------------------------------------------------------ lifecycle
     def start(self) -> EmbeddedEtcd:
         """Start (or, after :meth:`stop`, start again on the same ports and data)."""
+        with self._lifecycle:
+            return self._start()
+
+    def _start(self) -> EmbeddedEtcd:
         if self.running():
             return self
         first = self.client_port == 0
@@ -268,9 +279,10 @@ class EmbeddedEtcd:
         # SIGKILL (an agent's embedded etcd must not outlive it): setpriv sets
         # PR_SET_PDEATHSIG in the child just before it execs etcd. The kernel
         # sends that signal when the *thread* that forked exits, so only from
-        # the main thread: a restart from a worker thread would die with it.
+        # the main thread, or from the watch thread (see :meth:`watch`), which lives until
+        # the server is closed: a restart from any other thread would die with it.
         setpriv = shutil.which("setpriv")
-        if setpriv and threading.current_thread() is threading.main_thread():
+        if setpriv and threading.current_thread() in (threading.main_thread(), self._watch_thread):
             cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
@@ -328,6 +340,44 @@ class EmbeddedEtcd:
             time.sleep(delay)
             delay = min(delay * 1.5, 0.1)
 
+    # ------------------------------------------------------------ the watch
+    def watch(self, interval: timedelta = timedelta(seconds=0.5),
+              on_restart: Callable[[int | None, float], None] | None = None) -> None:
+        """Restart the server whenever it dies, until :meth:`close`.
+
+        Why: the embedded etcd of ``resilient launch`` is every agent's coordination
+        store; an OOM kill or a stray ``kill -9`` of it would otherwise end the job for
+        every node once their clients stop retrying. A kill leaves the data dir whole, so
+        the restart (same ports, same data: keys, leases and revisions) costs the clients
+        a second of retries. ``on_restart(exit_code, seconds_down)`` is called after each
+        restart (to say so); a failed restart is tried again at the next check. A stop on
+        purpose (:meth:`stop`, :meth:`kill` of this object: the chaos harness's etcd-loss)
+        is left alone until :meth:`start`; only a death from outside is restarted, and
+        only :meth:`close` ends the watch."""
+        if self._watch_thread is not None:
+            return
+        self._watch_stop.clear()
+        self._watch_thread = threading.Thread(target=self._watch_loop, args=(interval, on_restart),
+                                              name="etcd-watch", daemon=True)
+        self._watch_thread.start()
+
+    def _watch_loop(self, interval: timedelta, on_restart: Callable[[int | None, float], None] | None) -> None:
+        while not self._watch_stop.wait(interval.total_seconds()):
+            with self._lifecycle:
+                proc = self._proc
+                if self._watch_stop.is_set() or proc is None or proc.poll() is None:
+                    continue
+                noticed, code = time.monotonic(), proc.returncode
+                self._terminate(signal.SIGKILL)  # reap it, close its log
+                try:
+                    self.start()
+                except EtcdError as e:
+                    log.warning("the embedded etcd on %s died (exit code %s) and could not be restarted; "
+                                "trying again: %s", self.endpoint, code, e)
+                    continue
+            if on_restart is not None:
+                on_restart(code, time.monotonic() - noticed)
+
     def _terminate(self, sig: int, timeout: timedelta = timedelta(seconds=10)) -> None:
         proc = self._proc
         if proc is not None:
@@ -348,11 +398,13 @@ class EmbeddedEtcd:
 
     def stop(self, timeout: timedelta = timedelta(seconds=10)) -> None:
         """Graceful stop (SIGTERM, SIGKILL after ``timeout``); keeps ports and data."""
-        self._terminate(signal.SIGTERM, timeout)
+        with self._lifecycle:  # never between the watch's look at the process and its restart
+            self._terminate(signal.SIGTERM, timeout)
 
     def kill(self) -> None:
         """``kill -9`` the server (a crash); keeps ports and data."""
-        self._terminate(signal.SIGKILL)
+        with self._lifecycle:
+            self._terminate(signal.SIGKILL)
 
     def restart(self) -> EmbeddedEtcd:
         """Stop and start again on the same ports and data dir."""
@@ -360,8 +412,14 @@ class EmbeddedEtcd:
         return self.start()
 
     def close(self) -> None:
-        """Stop and remove the data dir (if we created it). Idempotent."""
-        self._terminate(signal.SIGTERM)
+        """Stop (and stop watching) and remove the data dir (if we created it). Idempotent."""
+        self._watch_stop.set()
+        with self._lifecycle:  # a restart under way finishes first, then this stops it
+            self._terminate(signal.SIGTERM)
+        # Joined after the stop: the server may be the watch thread's child (PDEATHSIG).
+        t, self._watch_thread = self._watch_thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=self.start_timeout.total_seconds() + 1)
         _LIVE.discard(self)
         if self._own_dir:
             shutil.rmtree(self._root, ignore_errors=True)

@@ -54,6 +54,7 @@ from resilient.snapshot.nodestore import BELL, SPARES, Doorbell, Spares
 from resilient.snapshot.priority import UPLOAD_NICE, background_priority
 from resilient.snapshot.retention import collect_garbage
 from resilient.snapshot.storage import RetryPolicy, is_remote, node_store_path, with_retry, write_object
+from resilient.snapshot.storefull import out_of_space, report_store_full
 
 
 @dataclass
@@ -124,7 +125,10 @@ class Uploader:
                     del self.errors[old]
                 emit(self.events, "upload_error", step=slot.step, phase="upload",
                      error=f"{type(e).__name__}: {e}", obj=getattr(e, "obj", None))
-                warnings.warn(f"snapshot upload of step {slot.step} failed, training goes on: {e}", RuntimeWarning)
+                if self.bell is not None and out_of_space(e):  # a full node store: its own fix, once a minute
+                    report_store_full(self.bell.parent, slot.step)
+                else:
+                    warnings.warn(f"snapshot upload of step {slot.step} failed, training goes on: {e}", RuntimeWarning)
             finally:
                 self.ring.release(slot, self.consumer)
 
