@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from launchutil import REPO, digests, losses, run_launch, tiny_overrides
+from launchutil import REPO, digests, events, losses, run_launch, tiny_overrides
 
 DEMO = REPO / "configs" / "demo.toml"
 pytestmark = pytest.mark.slow
 
 
 def test_3d_matches_single_process(corpus, tmp_path):
-    """pp=2, dp=2, tp=2 on 8 processes = one process, step by step."""
+    """pp=2, dp=2, tp=2 on 8 processes = one process, step by step; and its snapshots
+    commit, to node RAM and to the durable tier (each tensor's chunks tile it once: the
+    replicas of this layout once wrote boxes twice, and every commit was refused)."""
     steps = 5
     single = tmp_path / "single"
     run_launch(DEMO, single, tiny_overrides(corpus, steps, **{"parallel.microbatches": 4}), nproc=1)
     three_d = tmp_path / "3d"
     run_launch(DEMO, three_d, tiny_overrides(corpus, steps, **{
-        "parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2, "parallel.microbatches": 4}), nproc=8)
+        "parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2, "parallel.microbatches": 4,
+        "snapshot.every": 2, "snapshot.durable_every": 5}), nproc=8)  # snapshots: +0.7 s
+    assert events(three_d, "upload_error") == []
+    committed = {(e["tier"], e["step"]) for e in events(three_d, "commit")}
+    assert ("durable", steps) in committed and any(tier == "local" for tier, _ in committed), committed
     ref, got = losses(single), losses(three_d)
     assert sorted(ref) == sorted(got) == list(range(1, steps + 1))
     for step in ref:

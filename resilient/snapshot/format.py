@@ -145,7 +145,7 @@ def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
 
 
-def object_crcs(doc: bytes | str) -> dict[str, tuple[int, int]]:
+def object_crcs(doc: bytes | str | dict) -> dict[str, tuple[int, int]]:
     """``{object: (crc, size)}`` for each object named by the rank manifest ``doc`` whose
     chunks tile it from byte 0 without gaps or overlaps (every part, as the writers lay
     them out): its CRC-32C combined from the chunks' checksums, i.e. of the bytes as they
@@ -154,10 +154,11 @@ def object_crcs(doc: bytes | str) -> dict[str, tuple[int, int]]:
     Reads only the fields it needs, without :func:`manifest_from_json`'s checks (5 ms
     for the demo's 156 chunks: more than checksumming the parts). An object it cannot
     vouch for is left out (a manifest it cannot read gives ``{}``): the caller then
-    checksums the file itself, and a restore judges the manifest."""
+    checksums the file itself, and a restore judges the manifest. ``doc`` may be the
+    manifest already parsed (``json.loads``), by a caller that reads it for more."""
     by_obj: dict[str, list] = {}
     try:
-        for t in json.loads(doc)["tensors"].values():
+        for t in (doc if isinstance(doc, dict) else json.loads(doc))["tensors"].values():
             for c in t["chunks"]:
                 by_obj.setdefault(c["object"], []).append((c["offset"], c["length"], c["checksum"]))
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -327,6 +328,38 @@ def check_no_overlap(t: TensorRecord, where: str) -> None:
         a, b = pair
         raise SnapshotCorrupt(f"{where}: chunks of {t.name!r} overlap ({list(a.offsets)}+{list(a.sizes)} and "
                               f"{list(b.offsets)}+{list(b.sizes)}); the manifest is damaged", where)
+
+
+def rank_manifest_boxes(doc: dict, where: str) -> Manifest:
+    """What decides whether a version's rank manifests tile each tensor exactly once (the
+    input of :func:`~resilient.snapshot.durable.merge_rank_manifests`): step, attempt,
+    world and each tensor's shape, dtype and chunk boxes, from a rank manifest already
+    parsed (``json.loads``), each box checked to lie inside its tensor's shape.
+
+    Why not :func:`manifest_from_json`: the agent's replicator checks every version it
+    commits to node RAM, on a host that trains, and its field-by-field checks double the
+    cost (measured, a rank manifest of 156 chunks: 1.2 ms parsed by it, 0.3 ms by
+    ``json.loads`` + 0.3 ms here). A restore still reads every manifest through
+    :func:`manifest_from_json`. Raises :class:`SnapshotCorrupt` for one it cannot read."""
+    try:
+        tensors = {}
+        for name, t in doc["tensors"].items():
+            shape = tuple(t["shape"])
+            chunks = []
+            for c in t["chunks"]:
+                offsets, sizes = tuple(c["offsets"]), tuple(c["sizes"])
+                if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                        o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+                    raise SnapshotCorrupt(f"{where}: a chunk of {name!r} ({list(offsets)}+{list(sizes)}) lies "
+                                          f"outside its shape {list(shape)}", where)
+                chunks.append(ChunkRecord(c["object"], c["offset"], c["length"], c["raw_length"], offsets, sizes,
+                                          c["checksum"], c["compression"]))
+            tensors[name] = TensorRecord(name, shape, t["dtype"], chunks)
+        return Manifest(step=doc["step"], world=doc["world"], layout=doc["layout"], attempt=doc["attempt"],
+                        config_digest=doc["config_digest"], tensors=tensors, values=doc["values"],
+                        rank=doc.get("rank"))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise SnapshotCorrupt(f"{where}: rank manifest is malformed ({type(e).__name__}: {e})", where) from None
 
 
 def _chunk_from_json(doc: Any, shape: tuple[int, ...], itemsize: int, name: str, where: str) -> ChunkRecord:
