@@ -406,16 +406,6 @@ def default_run_id(run_dir: Path) -> str:
     return "run-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
 
 
-def _rdzv_conf(text: str) -> dict[str, str]:
-    conf = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise LaunchError(f"--rdzv-conf {item!r}: expected key=value")
-        conf[key.strip()] = value.strip()
-    return conf
-
-
 # The --rdzv-conf keys that say how to reach etcd (TLS, auth, timeouts): workers need them too.
 _ETCD_KEYS = {"protocol", "ca_cert", "cacert", "ssl_cert", "cert", "ssl_cert_key", "key", "username", "user",
               "request_timeout", "retry_timeout"}
@@ -479,6 +469,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     from resilient.agent.quarantine import Quarantine
     from resilient.events import EventLog
     from resilient.rendezvous import client_from_params, register
+    from resilient.rendezvous.registry import parse_rdzv_conf
     from resilient.secret import provide_job_secret
 
     program, run_dir, node, nproc = run.program, run.run_dir, run.node, run.nproc
@@ -496,7 +487,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     with etcd_endpoint(args, run_dir, run_id, node) as endpoint:
         register()
         conf = {"last_call_timeout": lc.last_call_timeout, "keep_alive_interval": lc.keep_alive_interval,
-                "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, **_rdzv_conf(args.rdzv_conf)}
+                "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, **parse_rdzv_conf(args.rdzv_conf)}
         params = RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id=run_id,
                                       min_nodes=min_nodes, max_nodes=max_nodes, **conf)
         handler = rendezvous_handler_registry.create_handler(params)
@@ -514,7 +505,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             etcd_outage=timedelta(seconds=lc.etcd_outage),
             run_id=run_id, etcd_endpoint=endpoint,
             etcd_factory=lambda: client_from_params(params),
-            etcd_conf=worker_etcd_conf(_rdzv_conf(args.rdzv_conf)),
+            etcd_conf=worker_etcd_conf(parse_rdzv_conf(args.rdzv_conf)),
             store=store_settings(program.runtime.snapshot),
             worker_entry=program.entry, worker_argv=run.worker_argv, worker_preload=program.preload,
             worker_env=worker_env(nproc), worker_heartbeats=program.heartbeats,

@@ -22,7 +22,7 @@ from resilient.sdc.api import SdcConfig
 from resilient.snapshot.config import SnapshotConfig
 
 __all__ = ["RuntimeConfig", "SnapshotConfig", "SdcConfig", "LaunchConfig", "load_runtime_config",
-           "runtime_config_from_dict", "runtime_config_from_env", "apply_overrides", "RUNTIME_SECTIONS",
+           "runtime_config_from_dict", "runtime_config_from_env", "apply_overrides", "read_config_table", "RUNTIME_SECTIONS",
            "RUNTIME_CONFIG_ENV"]
 
 # The sections a runtime config may hold; any other (model, train, ...) belongs to a
@@ -110,17 +110,24 @@ def runtime_config_from_dict(table: dict, source: str = "<dict>") -> RuntimeConf
     return cfg
 
 
-def load_runtime_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RuntimeConfig:
-    """Read a runtime config (TOML; None = defaults), apply ``--set`` overrides."""
+def read_config_table(path: str | os.PathLike | None, overrides: list[str] | None, what: str,
+                      missing_hint: str = "") -> tuple[dict, str]:
+    """(the TOML table of ``path`` with ``--set`` overrides applied, its source name); None:
+    the defaults. ``what`` names the file in errors ("runtime config", "config file")."""
     source = str(path) if path else "<defaults>"
     table: dict = {}
     if path:
         try:
-            table = read_toml(path, "runtime config")
+            table = read_toml(path, what)
         except FileNotFoundError:
-            raise ConfigError(f"runtime config {source} does not exist") from None
+            raise ConfigError(f"{what} {source} does not exist{missing_hint}") from None
     apply_overrides(table, overrides or [])
-    return runtime_config_from_dict(table, source)
+    return table, source
+
+
+def load_runtime_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RuntimeConfig:
+    """Read a runtime config (TOML; None = defaults), apply ``--set`` overrides."""
+    return runtime_config_from_dict(*read_config_table(path, overrides, "runtime config"))
 
 
 def runtime_config_from_env() -> RuntimeConfig | None:

@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.configbase import explain, knob, load_section, read_toml, section_to_dict
+from resilient.configbase import explain, knob, load_section, section_to_dict
 from resilient.errors import ConfigError
-from resilient.runconfig import RuntimeConfig, apply_overrides
+from resilient.runconfig import RuntimeConfig, read_config_table
 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # several stages per rank
@@ -253,15 +253,7 @@ class Config(RuntimeConfig):
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
     """Read a TOML run config, apply ``--set`` overrides, return a typed Config."""
-    source = str(path) if path else "<defaults>"
-    table: dict = {}
-    if path:
-        try:
-            table = read_toml(path, "config file")
-        except FileNotFoundError:
-            raise ConfigError(f"config file {source} does not exist; see configs/ for examples") from None
-    apply_overrides(table, overrides or [])
-    return config_from_dict(table, source)
+    return config_from_dict(*read_config_table(path, overrides, "config file", "; see configs/ for examples"))
 
 
 def config_from_dict(table: dict, source: str = "<dict>") -> Config:
