@@ -11,7 +11,9 @@ checks their kind allows:
   bitwise equal on every rank (replica checks);
 - anything else (one process, a model the checks cannot see into): non-finite
   and spike checks of the loss and the local gradients, said once as an event;
-- always: the optimizer's state and the parameters hashed at rest between steps.
+- always: the optimizer's state and the parameters hashed at rest between steps, and
+  what the device computes: every ``nn.Linear`` GEMM against its checksum identity and
+  each block's output range against its history (``abft_every``, ``activation_every``).
 
 It also owns the bit-flip injectors (``[sdc] inject`` and the chaos harness's
 requests) and fires them at the points of a step where a flip means something.
@@ -90,6 +92,7 @@ class SdcGuard:
             for opt in self.optim.optimizers:
                 self.monitor.watch_optimizer(opt)   # Adam state at rest: hashed after a step, verified before the next
             self.coverage = self._watch(world, watch_fsdp, post_scale)
+            self.monitor.watch_compute(self.modules)   # Linear GEMM checksums, block output ranges
         self.flips = [BitFlipInjector(FlipSpec.from_dict(dict(d)), rank,
                                       log=lambda rec: events.emit("fault_injected", **rec),
                                       node=node, local_rank=local_rank)

@@ -193,7 +193,9 @@ class BitFlipInjector:
                 return out
             return None
 
-        self._handle = mods[self.spec.tensor].register_forward_hook(hook)
+        # prepend: the flip strikes before the module's other forward hooks see its output (the
+        # SDC compute checks, a tensor-parallel redistribution), as a fault in the module would
+        self._handle = mods[self.spec.tensor].register_forward_hook(hook, prepend=True)
 
     def detach(self) -> None:
         if self._handle is not None:

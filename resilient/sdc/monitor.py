@@ -56,7 +56,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient.sdc.api import (KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA,
+from resilient.sdc.abft import GemmCheck, attach_abft
+from resilient.sdc.activations import ActivationCheck, attach_activation_checks
+from resilient.sdc.api import (KIND_ACTIVATION_SPIKE, KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA,
                                KIND_STATE_AT_REST, Action, Decision, SdcConfig, SdcDetected, SdcError, Spent, Suspicion,
                                Verdict)
 from resilient.sdc.atrest import Resting, at_rest_delta  # noqa: F401 - at_rest_delta: its public home was here
@@ -138,6 +140,8 @@ class SdcMonitor:
         self.reductions: list[ReductionCheck] = []
         self.local_grads = LocalGradCheck(self.cfg.grad_spike_k, self.cfg.spike_window, self.cfg.spike_warmup)
         self.replicas: list[_ReplicaSet] = []
+        self.gemms: GemmCheck | None = None              # checksummed Linear GEMMs (watch_compute)
+        self.activations: ActivationCheck | None = None  # block output ranges (watch_compute)
         self.sm = ReplayStateMachine(max_transients=self.cfg.max_transients)
         self.loss_spikes: dict[int, RobustSpike] = {}
         self.devices: dict[int, str] = {}
@@ -154,8 +158,11 @@ class SdcMonitor:
             self.prober.start(timedelta(seconds=self.cfg.probe_every))
 
     def close(self) -> None:
-        """Stop the background prober (if ``probe_every`` started one)."""
+        """Stop the background prober (if ``probe_every`` started one); remove the compute hooks."""
         self.prober.stop()
+        for chk in (self.gemms, self.activations):
+            if chk is not None:
+                chk.close()
 
     def _probe_suspicions(self, step: int) -> list[Suspicion]:
         """Failures of background probes on this device since the last hook."""
@@ -183,6 +190,34 @@ class SdcMonitor:
                               post_scale=post_scale)
             if chk.units:
                 self.reductions.append(chk)
+
+    def watch_compute(self, model_parts: Parts) -> None:
+        """Check what this rank's device computes in forward and backward: every ``nn.Linear``
+        GEMM against its checksum identity (``abft_every``, :mod:`.abft`) and each block's
+        output range against its history (``activation_every``, :mod:`.activations`). Call
+        before any other forward hook that must see the checked values (bit-flip injectors
+        are prepended, so they strike first). Their suspicions join ``after_backward``."""
+        if not self.cfg.enable:
+            return
+        named: list[tuple[str, nn.Module]] = []
+        counts: dict[int, int] = {}
+        for i, m in enumerate(_parts(model_parts)):
+            prefix = f"{i}:" if not isinstance(model_parts, nn.Module) else ""
+            named += [(prefix + n, mod) for n, mod in m.named_modules()]
+            for _, p in m.named_parameters(remove_duplicate=False):
+                counts[id(p)] = counts.get(id(p), 0) + 1
+        if self.cfg.abft_every > 0:
+            self.gemms = attach_abft(named, self.cfg.bound_safety, {k for k, c in counts.items() if c > 1})
+        if self.cfg.activation_every > 0:
+            self.activations = attach_activation_checks(named, self.cfg.activation_spike_k, self.cfg.spike_window,
+                                                        self.cfg.spike_warmup)
+
+    def _compute_checks(self, step: int, judge: bool) -> list[Suspicion]:
+        """This rank's GEMM and activation suspicions of the forward/backward just run."""
+        out = self.gemms.collect(step, self.rank) if self.gemms is not None else []
+        if self.activations is not None:
+            out += self.activations.collect(step, self.rank, judge)
+        return out
 
     def watch_replicas(self, name: str, tensors: Callable[[], Iterable[tuple[str, torch.Tensor | None]]],
                        group, what: str = "grad") -> None:
@@ -243,6 +278,10 @@ class SdcMonitor:
         """The next step's backward records its reductions only if that step will be checked."""
         for chk in self.reductions:
             chk.arm(self._due(step + 1, self.cfg.check_every))
+        if self.gemms is not None:
+            self.gemms.arm(self._due(step + 1, self.cfg.abft_every))
+        if self.activations is not None:
+            self.activations.arm(self._due(step + 1, self.cfg.activation_every))
 
     def _devices(self) -> dict[int, str]:
         if not self.devices:
@@ -366,6 +405,7 @@ class SdcMonitor:
         if grads_due and not self.reductions:   # dp = 1: no reduction check sees the gradients
             mine += self.local_grads.check((p.grad for _, p in self._params(model_parts)), step=step,
                                            rank=self.rank, judge=True)
+        mine += self._compute_checks(step, judge=True)
         at_rest, at_rest_step = self._at_rest_check(step, model_parts)   # the hashes of the last due step, if any
         mine += at_rest
         mine += self._probe_suspicions(step)
@@ -419,7 +459,8 @@ class SdcMonitor:
     def after_replay(self, step: int, model_parts: Parts, loss: torch.Tensor | float | None) -> Decision:
         """Verdicts for the step recomputed after a REPLAY decision (collective)."""
         original = self.sm.suspicions
-        mine = [s for s in self._grad_checks(step, judge=False) if not s.harmless]
+        mine = [s for s in self._grad_checks(step, judge=False) + self._compute_checks(step, judge=False)
+                if not s.harmless]
         lval = float(loss) if loss is not None else None
         scalars = self._exchange_scalars(lval, len(mine))
         self._note_losses(scalars)
@@ -441,7 +482,7 @@ class SdcMonitor:
             if matches[r] is Match.SAME:
                 if r in probe_failed:
                     s_still = True
-                elif kinds <= {KIND_NONFINITE, KIND_LOSS_SPIKE, "grad_spike"}:
+                elif kinds <= {KIND_NONFINITE, KIND_LOSS_SPIKE, "grad_spike", KIND_ACTIVATION_SPIKE}:
                     s_still = False   # reproducible data/model behaviour on a device that passes probes
             per_rank[r] = (matches[r], s_still)
         if probe_failed:  # a probe singled out the bad device of a tie (two replicas, no majority)

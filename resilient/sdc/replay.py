@@ -31,12 +31,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from resilient.sdc.api import (KIND_AT_REST, KIND_GRAD_AT_REST, KIND_PROBE, KIND_REDUCTION, KIND_REPLICA,
+from resilient.sdc.api import (KIND_AT_REST, KIND_GEMM, KIND_GRAD_AT_REST, KIND_PROBE, KIND_REDUCTION, KIND_REPLICA,
                                KIND_STATE_AT_REST, SdcError, Suspicion, Verdict)
 from resilient.sdc.checksums import AMAX, BITS, L1, SUM, harmless_bound, local, stats
 
 # kinds whose re-occurrence on replay is decisive; the others are heuristics
-EXACT_KINDS = frozenset({KIND_REDUCTION, KIND_REPLICA, KIND_AT_REST, KIND_STATE_AT_REST, KIND_GRAD_AT_REST, KIND_PROBE})
+EXACT_KINDS = frozenset({KIND_REDUCTION, KIND_REPLICA, KIND_AT_REST, KIND_STATE_AT_REST, KIND_GRAD_AT_REST, KIND_PROBE,
+                         KIND_GEMM})
 
 
 @dataclass(frozen=True)

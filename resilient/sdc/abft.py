@@ -1,0 +1,283 @@
+"""Checksummed GEMMs (algorithm-based fault tolerance) for ``nn.Linear`` layers.
+
+A device whose arithmetic unit computes a wrong product gives a wrong forward
+or backward answer that no check of what travels (reductions, replicas) or
+rests (parameters, optimizer state) can see. Each of the three GEMMs of a
+Linear layer (``W``: ``[N, K]``, ``X``: ``[M, K]`` flattened over the leading
+dimensions) obeys a linear identity that costs matrix-vector products only:
+
+* forward     ``Y  = X Wᵀ (+ b)``:  ``Y·1  = X (Wᵀ·1) (+ (b·1)·1)``  (M rows)
+* grad-input  ``dX = dY W``:        ``dX·1 = dY (W·1)``              (M rows)
+* grad-weight ``dW = dYᵀ X``:       ``dW·1 = dYᵀ (X·1)``             (N rows)
+
+Both sides are computed in float64 from the tensors the GEMM read and wrote;
+a row whose sides differ by more than rounding can explain is a
+``gemm_mismatch`` suspicion on this rank, handled like any other by replay.
+
+The rounding bound of a row (Higham, any summation order): each output element
+of an inner product of length ``n`` accumulated with unit roundoff ``u_acc`` is
+within ``γ_n(u_acc)·Σ|a||b|`` of the exact value, plus ``u_out·|y|`` for the
+final rounding to the output dtype; summed over the row's elements, and the
+float64 arithmetic of the check adds ``γ_{n+w+2}(2⁻⁵³)`` of the same
+magnitudes. ``Σ|a||b|`` over a row is one more matrix-vector product of the
+absolute values. ``u_acc`` follows how torch computes the GEMM: half types
+(bfloat16, float16) accumulate in float32, float32 in float32 — with extra
+input rounding when ``torch.get_float32_matmul_precision()`` lets float32
+GEMMs use TF32 (``high``) or bfloat16 (``medium``) —, float64 in float64. On
+CUDA, half-type GEMMs with ``allow_{bf16,fp16}_reduced_precision_reduction``
+(torch's default) may round split-K partial sums to the output dtype: modelled
+as a pairwise reduction of at most ``⌈log2 n⌉`` levels in ``u_out``. The whole
+bound is multiplied by ``sdc.bound_safety`` as the reduction check's is.
+
+Covered: every module whose ``forward`` is ``nn.Linear.forward`` and that is
+called as a module (FSDP2's all-gathered weights included: the hooks see the
+unsharded plain parameter; a tensor-parallel ``DTensor`` Linear is checked on
+its local shard: the local GEMM, before the output redistribution), in float32,
+bfloat16, float16 and float64, under autocast too (the check uses the GEMM's
+dtype). The grad-weight check needs the weight's gradient per backward: a weight
+shared with another module (tied embeddings) gets the forward and grad-input
+checks only. Not covered: matmuls outside ``nn.Linear`` modules (attention's
+``scaled_dot_product_attention``, ``nn.MultiheadAttention``'s projections,
+which it calls through ``F.linear`` without the module), convolutions,
+embeddings, subclasses that override ``forward`` (LoRA), forward passes without
+gradients (evaluation), a tensor-parallel Linear with a bias that is not
+sharded like its output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from resilient.sdc.api import KIND_GEMM, Suspicion
+from resilient.sdc.checksums import gamma, local, unit_roundoff
+
+_U64 = 2.0 ** -53
+_MATMUL_INPUT_U = {"highest": 0.0, "high": 2.0 ** -11, "medium": 2.0 ** -8}   # tf32 / bf16 inputs
+GEMMS = ("forward", "grad_input", "grad_weight")
+
+
+def rounding_coefficients(dtype: torch.dtype, inner: int, device: torch.device) -> tuple[float, float]:
+    """(coefficient of Σ|a||b|, coefficient of Σ|y|) of the rounding bound of a GEMM with
+    inner dimension ``inner`` and output ``dtype`` on ``device`` (module docstring)."""
+    u_out = unit_roundoff(dtype)
+    if dtype in (torch.bfloat16, torch.float16):
+        coef = gamma(inner, unit_roundoff(torch.float32))
+        reduced = (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction if dtype == torch.bfloat16
+                   else torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+        if device.type == "cuda" and reduced:
+            coef += gamma(max(1, math.ceil(math.log2(max(inner, 2)))), u_out)
+    else:
+        coef = gamma(inner, u_out)
+        if dtype == torch.float32:
+            coef += 2 * _MATMUL_INPUT_U.get(torch.get_float32_matmul_precision(), 2.0 ** -8)
+    return coef, u_out
+
+
+class _TapGrad(torch.autograd.Function):
+    """Identity whose backward hands the incoming gradient to ``fn``: the grad-input of
+    exactly one GEMM (the tapped tensor feeds only that Linear)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        ctx.fn(g)
+        return g, None
+
+
+@dataclass
+class _Pending:
+    """The grad-weight identity of one weight, summed over its uses in one backward
+    (autograd sums the uses before the weight's hook sees the gradient)."""
+
+    expect: torch.Tensor | None = None   # Σ dYᵀ (X·1), float64 [N]
+    scale: torch.Tensor | None = None    # Σ |dY|ᵀ (|X|·1)
+    inner: int = 0                       # Σ M over the uses (+1 per use: the sum of uses)
+    dtype: torch.dtype = torch.float32
+
+    def add(self, expect: torch.Tensor, scale: torch.Tensor, inner: int, dtype: torch.dtype) -> None:
+        self.expect = expect if self.expect is None else self.expect + expect
+        self.scale = scale if self.scale is None else self.scale + scale
+        self.inner += inner + 1
+        self.dtype = dtype
+
+
+@dataclass
+class _Use:
+    """What one call of a Linear leaves for its backward checks: row sums only, never X or W."""
+
+    name: str
+    dtype: torch.dtype
+    w_rows: torch.Tensor        # W·1      [N]  (grad-input identity)
+    w_abs_rows: torch.Tensor    # |W|·1
+    x_rows: torch.Tensor        # X·1      [M]  (grad-weight identity)
+    x_abs_rows: torch.Tensor    # |X|·1
+    expect_dx: torch.Tensor | None = None
+    scale_dx: torch.Tensor | None = None
+
+
+@dataclass
+class GemmCheck:
+    """The checks of the Linear layers of some modules (:func:`attach_abft`).
+
+    Armed for a step (``arm``), every training forward and backward of a covered
+    Linear records one worst-row ratio ``|Δ| / bound`` per GEMM as a device scalar
+    (no host synchronisation inside the step); :meth:`collect` moves them to the
+    host in one copy and turns ratios above 1 into suspicions."""
+
+    safety: float = 2.0
+    covered: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)   # name -> why not covered
+    armed: bool = False
+    max_clean_ratio: float = 0.0   # the largest |Δ| / bound of a passing GEMM so far: the margin of the bound
+    _results: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
+    _pending: dict[int, _Pending] = field(default_factory=dict)   # id(weight) -> this backward's uses
+    _hooked: dict[int, object] = field(default_factory=dict)      # id(weight) -> grad hook handle
+    _handles: list = field(default_factory=list)
+
+    def arm(self, on: bool) -> None:
+        self.armed = on
+        self._results.clear()
+        self._pending.clear()
+
+    def close(self) -> None:
+        for h in self._handles + list(self._hooked.values()):
+            h.remove()
+        self._handles.clear()
+        self._hooked.clear()
+
+    # ---- one row-sum identity ------------------------------------------------
+    def _record(self, name: str, gemm: str, got: torch.Tensor, expect: torch.Tensor, scale: torch.Tensor,
+                out_abs: torch.Tensor, inner: int, width: int, dtype: torch.dtype) -> None:
+        """``got`` (row sums of the GEMM's output), ``expect`` (the identity's side), ``scale``
+        (Σ|a||b| per row), ``out_abs`` (Σ|out| per row): float64 vectors on the device."""
+        coef, u_out = rounding_coefficients(dtype, inner, got.device)
+        f64 = gamma(inner + width + 2, _U64)
+        bound = self.safety * ((coef + f64) * scale + (u_out + f64) * out_abs)
+        diff = (got - expect).abs()
+        judged = torch.isfinite(expect) & torch.isfinite(bound)   # non-finite inputs: the nonfinite checks' case
+        ratio = torch.where(judged, diff / bound.clamp_min(torch.finfo(torch.float64).tiny),
+                            torch.zeros_like(diff)).nan_to_num(nan=math.inf)   # a NaN row sum: a mismatch
+        worst = ratio.argmax()
+        self._results.append((name, gemm, torch.stack([ratio[worst], diff[worst], bound[worst],
+                                                       worst.to(torch.float64)])))
+
+    # ---- hooks ---------------------------------------------------------------
+    def _pre(self, name: str, module: nn.Module, args: tuple):
+        if not (self.armed and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor)
+                and args[0].requires_grad):
+            return None
+        use = module._resilient_abft_use = _Use(name, torch.float32, *[None] * 4)   # filled by _post
+        return (_TapGrad.apply(args[0], lambda g: self._grad_input(use, g)),) + tuple(args[1:])
+
+    def _post(self, name: str, module: nn.Module, args: tuple, out: torch.Tensor, check_dw: bool) -> None:
+        use = module.__dict__.pop("_resilient_abft_use", None)
+        if not (self.armed and torch.is_grad_enabled() and isinstance(out, torch.Tensor)):
+            return None
+        w, b = module.weight, module.bias
+        x, y = local(args[0]).detach(), local(out).detach()
+        wl = local(w).detach()
+        dtype = y.dtype
+        k, n = wl.shape[1], wl.shape[0]
+        x2 = x.reshape(-1, k).to(dtype).double()
+        w64 = wl.to(dtype).double()
+        y2 = y.reshape(-1, n)
+        # forward: Y·1 = X (Wᵀ·1) + Σb
+        expect = x2 @ w64.sum(0)
+        w_abs = w64.abs()
+        scale = x2.abs() @ w_abs.sum(0)
+        if b is not None:
+            b64 = local(b).detach().to(dtype).double()
+            expect = expect + b64.sum()
+            scale = scale + b64.abs().sum()
+        self._record(name, "forward", y2.sum(-1, dtype=torch.float64), expect, scale,
+                     y2.abs().sum(-1, dtype=torch.float64), k + (b is not None), n, dtype)
+        if not out.requires_grad:
+            return None
+        if use is None:   # X needs no gradient (raw data in): no grad-input GEMM runs
+            use = _Use(name, dtype, *[None] * 4)
+        use.dtype, use.w_rows, use.w_abs_rows = dtype, w64.sum(1), w_abs.sum(1)
+        use.x_rows, use.x_abs_rows = x2.sum(1), x2.abs().sum(1)
+        check_dw = check_dw and w.requires_grad
+        if check_dw and id(w) not in self._hooked:   # FSDP2's unsharded weight is one object for the whole run
+            self._hooked[id(w)] = w.register_hook(lambda gw, key=id(w), nm=name: self._grad_weight(key, nm, gw))
+        out.register_hook(lambda g: self._grad_output(use, g, w if check_dw else None))
+        return None
+
+    def _grad_output(self, use: _Use, g: torch.Tensor, weight: torch.Tensor | None) -> None:
+        """dY arrived (before the Linear's backward): the expected sides of both backward identities."""
+        n = use.w_rows.numel()
+        dy = local(g).detach().reshape(-1, n).to(use.dtype).double()
+        dy_abs = dy.abs()
+        use.expect_dx, use.scale_dx = dy @ use.w_rows, dy_abs @ use.w_abs_rows
+        if weight is not None:
+            self._pending.setdefault(id(weight), _Pending()).add(dy.T @ use.x_rows, dy_abs.T @ use.x_abs_rows,
+                                                                 use.x_rows.numel(), use.dtype)
+
+    def _grad_input(self, use: _Use, g: torch.Tensor) -> None:
+        if use.expect_dx is None:
+            return
+        dx = local(g).detach()
+        dx2 = dx.reshape(-1, dx.shape[-1]).to(use.dtype)
+        self._record(use.name, "grad_input", dx2.sum(-1, dtype=torch.float64), use.expect_dx, use.scale_dx,
+                     dx2.abs().sum(-1, dtype=torch.float64), use.w_rows.numel(), dx2.shape[-1], use.dtype)
+
+    def _grad_weight(self, key: int, name: str, g: torch.Tensor) -> None:
+        p = self._pending.pop(key, None)
+        if p is None:
+            return None
+        dw = local(g).detach().to(p.dtype)
+        self._record(name, "grad_weight", dw.sum(1, dtype=torch.float64), p.expect, p.scale,
+                     dw.abs().sum(1, dtype=torch.float64), p.inner, dw.shape[1], p.dtype)
+        return None
+
+    # ---- the step's verdict ----------------------------------------------------
+    def collect(self, step: int, rank: int) -> list[Suspicion]:
+        """This rank's GEMMs since the last collect whose identity failed beyond rounding."""
+        results, self._results = self._results, []
+        self._pending.clear()
+        if not results:
+            return []
+        rows = torch.stack([r for _, _, r in results]).cpu()   # one copy: [n, 4]
+        out = []
+        for (name, gemm, _), (ratio, diff, bound, row) in zip(results, rows.tolist()):
+            if ratio <= 1:
+                self.max_clean_ratio = max(self.max_clean_ratio, ratio)
+            else:
+                out.append(Suspicion(step=step, rank=rank, kind=KIND_GEMM, tensor=f"{name}:{gemm}",
+                                     evidence={"row": int(row), "dsum": diff, "bound": bound, "excess": ratio}))
+        return out
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+
+
+def attach_abft(named_modules: list[tuple[str, nn.Module]], safety: float, shared: set[int]) -> GemmCheck:
+    """Hook every plain ``nn.Linear`` of ``named_modules``; ``shared``: ids of parameters
+    held by more than one module (their gradient is not one GEMM's: no grad-weight check)."""
+    chk = GemmCheck(safety=safety)
+    for name, m in named_modules:
+        if not _plain_linear(m):
+            continue
+        w, b = m.weight, m.bias
+        if hasattr(w, "placements") and b is not None and list(getattr(b, "placements", ())) != list(w.placements):
+            chk.skipped[name] = "tensor-parallel bias not sharded like the weight's rows"
+            continue
+        check_dw = id(w) not in shared
+        if not check_dw:
+            chk.skipped[name + ":grad_weight"] = "weight shared with another module"
+        chk._handles.append(m.register_forward_pre_hook(lambda mod, a, nm=name: chk._pre(nm, mod, a)))
+        # prepend: before a tensor-parallel output hook redistributes the local GEMM's result
+        chk._handles.append(m.register_forward_hook(lambda mod, a, o, nm=name, dw=check_dw: chk._post(nm, mod, a, o, dw),
+                                                    prepend=True))
+        chk.covered.append(name)
+    return chk

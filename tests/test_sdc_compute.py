@@ -1,0 +1,160 @@
+"""SDC in what the device computes: checksummed Linear GEMMs (resilient.sdc.abft) and
+block output ranges (resilient.sdc.activations).
+
+Unit level: each of a Linear's three GEMMs passes its checksum identity clean, in every
+dtype, and a corrupted result of each is caught and named. Through the public API
+(resilient.Job around a user loop with resilient's GPT, one process): the issue's own
+scenario — a bit-30 flip in one element of a feed-forward block's output — and a flip in
+one Linear's output are caught in their step, replayed away (transient), and the run
+ends bitwise equal to the fault-free one."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from resilient.events import read_events
+from resilient.sdc.api import SdcConfig
+from resilient.sdc.monitor import SdcMonitor
+
+
+def _model(dtype: torch.dtype, bias: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 48, bias=bias), torch.nn.GELU(),
+                               torch.nn.Linear(48, 16, bias=bias)).to(dtype)
+
+
+def _step(mon: SdcMonitor, model, x, step: int):
+    model(x).square().mean().backward()
+    sus = mon._compute_checks(step, judge=True)
+    for p in model.parameters():
+        p.grad = None
+    return sus
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True),
+                                        (torch.float16, False), (torch.float64, True)])
+def test_each_gemm_passes_clean_and_a_corrupted_one_is_named(dtype, bias):
+    model = _model(dtype, bias)
+    mon = SdcMonitor(SdcConfig(abft_every=1, activation_every=0))
+    mon.watch_compute(model)
+    assert mon.gemms.covered == ["0", "2"]
+    mon.note_restored(0, model)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 6):   # clean, 3-d input (batch, tokens, features)
+        assert _step(mon, model, torch.randn(4, 8, 24, generator=gen).to(dtype), step) == []
+    assert 0 < mon.gemms.max_clean_ratio <= 1
+    x = torch.randn(4, 8, 24, generator=gen).to(dtype)
+
+    def corrupt_first(t):   # one element ×256: an exponent off by 8, far below the range checks' notice
+        t = t.clone()
+        with torch.no_grad():   # outside autograd, as a fault is: the backward does not know
+            t.view(-1)[5] *= 256
+        return t
+
+    # forward: the Linear's output (a hook registered after the checks', prepended: runs first)
+    h = model[2].register_forward_hook(lambda m, a, out: corrupt_first(out), prepend=True)
+    assert [s.tensor for s in _step(mon, model, x, 6)] == ["2:forward"]
+    h.remove()
+    # grad-input: what the Linear's backward hands to its input
+    h = model[2].register_full_backward_hook(lambda m, gi, go: (corrupt_first(gi[0]),))
+    assert [s.tensor for s in _step(mon, model, x, 7)] == ["2:grad_input"]
+    h.remove()
+    # grad-weight: a gradient hook on the weight that runs before the check's
+    model2 = _model(dtype, bias)
+    h = model2[0].weight.register_hook(corrupt_first)
+    mon2 = SdcMonitor(SdcConfig(abft_every=1, activation_every=0))
+    mon2.watch_compute(model2)
+    mon2.note_restored(0, model2)
+    (sus,) = _step(mon2, model2, x, 1)
+    assert (sus.kind, sus.tensor) == ("gemm_mismatch", "0:grad_weight") and sus.evidence["excess"] > 1
+    h.remove()
+
+
+def test_autocast_and_repeated_uses_are_checked_as_computed():
+    """bf16 autocast (fp32 weights, bf16 GEMMs) and a Linear used twice in one backward
+    (its weight's gradient is the sum of both uses' grad-weight GEMMs)."""
+    model = _model(torch.float32, True)
+    mon = SdcMonitor(SdcConfig(abft_every=1, activation_every=0))
+    mon.watch_compute(model)
+    mon.note_restored(0, model)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(1, 4):
+        x = torch.randn(16, 24, generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean() + model(x * 0.5).float().square().mean()
+        loss.backward()
+        sus = mon._compute_checks(step, judge=True)
+        model.zero_grad(set_to_none=True)
+        assert sus == [], sus
+
+
+# ---- through the public API: resilient's GPT in a user's loop, one process ---------------
+
+def train(run_dir, steps: int, *sets: str):
+    """A user's loop around resilient's GPT (small); returns (parameters, events)."""
+    from resilient.gpt.config import ModelConfig
+    from resilient.gpt.model import GPT, init_parameters
+    from resilient.job import Job, NotUnderAgent
+    from resilient.runconfig import load_runtime_config
+
+    cfg = load_runtime_config(None, ["snapshot.durable_every=4", "sdc.abft_every=1", "sdc.activation_every=1", *sets])
+    mcfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16)
+    model = GPT(mcfg)
+    init_parameters(model, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotUnderAgent)
+        job = Job(model, opt, run_dir=run_dir, config=cfg, progress=False)
+
+    def forward_backward(step: int):
+        tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        return loss
+
+    try:
+        for step in job.steps(steps):
+            if not job.verify(forward_backward(step), replay=lambda: forward_backward(step)):
+                continue
+            opt.step()
+            opt.zero_grad()
+    finally:
+        job.close()
+    return [p.detach().clone() for p in model.parameters()], list(read_events(run_dir / "events.jsonl"))
+
+
+def _of(evs, kind):
+    return [e for e in evs if e["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    params, evs = train(tmp_path_factory.mktemp("clean"), 16)
+    assert not _of(evs, "sdc_suspect"), _of(evs, "sdc_suspect")
+    return params
+
+
+@pytest.mark.parametrize("module,bit,kinds", [
+    # the issue's scenario: -0.031 → -1e37 in a feed-forward block's output; the GEMM inside
+    # computed right, the block's range check sees the exponent jump
+    ("layers.1.feed_forward", 30, {"activation_spike"}),
+    # a Linear's output off by a factor of 4 (exponent bit 24): within any range, but the
+    # GEMM's checksum no longer adds up
+    ("layers.1.feed_forward.w2", 24, {"gemm_mismatch"}),
+])
+def test_a_flip_in_forward_is_caught_in_its_step_and_replayed_away_bitwise(clean, tmp_path, module, bit, kinds):
+    flip = f'sdc.inject=[{{target="activation", tensor="{module}", bit={bit}, element=7, rank=0, step=13}}]'
+    params, evs = train(tmp_path, 16, flip)
+    (injected,) = _of(evs, "fault_injected")
+    assert injected["step"] == 13 and injected["old"] != injected["new"]
+    suspects = _of(evs, "sdc_suspect")
+    assert suspects and {s["step"] for s in suspects} == {13}, suspects
+    assert kinds <= {s["kind"] for s in suspects} <= kinds | {"activation_spike", "gemm_mismatch"}, suspects
+    assert all(s["suspect_rank"] == 0 and module.rsplit(".", 1)[0] in s["tensor"] for s in suspects)
+    assert [(v["suspect_rank"], v["verdict"]) for v in _of(evs, "sdc_verdict")] == [(0, "transient")]
+    assert not _of(evs, "rollback")
+    assert all(torch.equal(a, b) for a, b in zip(params, clean)), "the replayed run differs from the fault-free run"
