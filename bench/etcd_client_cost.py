@@ -5,7 +5,9 @@ RESULTS.md: the reason resilient/etcd/transport.py exists, reproducible).
 
 Starts a real etcd on loopback, runs each request kind 600 times after 50 warm-ups and
 prints this process's CPU and etcd's (psutil) per request, for ``EtcdClient`` and for a
-bare ``http.client`` connection (the floor of the JSON gateway from Python).
+bare ``http.client`` connection (the floor of the JSON gateway from Python). Twice: without
+authentication, and with it as ``resilient launch`` runs its embedded etcd (a root password,
+every request carries a token etcd checks).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import time
 
 import psutil
 
-from resilient.etcd.client import EtcdClient
 from resilient.etcd.server import EmbeddedEtcd
 
 N = 600
@@ -28,9 +29,15 @@ def b64(s: str) -> str:
 
 
 def main() -> None:
-    with EmbeddedEtcd() as srv:
+    for password in (None, "bench-root-password-" + "x" * 32):
+        print("with authentication (root, token per request)" if password else "without authentication")
+        measure(password)
+
+
+def measure(password: str | None) -> None:
+    with EmbeddedEtcd(root_password=password) as srv:
         etcd = psutil.Process(srv.pid)
-        c = EtcdClient(srv.endpoint)
+        c = srv.client()
 
         def run(label, fn):
             for i in range(50):
@@ -49,10 +56,14 @@ def main() -> None:
                                                             f"/x/c/memory/{i:012d}": "v" * 300}))
         run("EtcdClient get", lambda i: c.get("/x/h/000000000001/a"))
         conn = http.client.HTTPConnection(srv.host, srv.client_port)
+        headers = {"Content-Type": "application/json"}
 
-        def raw(path: str, body: dict) -> None:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            json.loads(conn.getresponse().read())
+        def raw(path: str, body: dict) -> dict:
+            conn.request("POST", path, json.dumps(body), headers)
+            return json.loads(conn.getresponse().read())
+
+        if password:
+            headers["Authorization"] = raw("/v3/auth/authenticate", {"name": "root", "password": password})["token"]
 
         run("bare http.client txn", lambda i: raw("/v3/kv/txn", {"compare": [], "success": [
             {"request_put": {"key": b64(f"/y/{i}"), "value": b64("v" * 200)}},

@@ -334,30 +334,48 @@ LEAVE_WAIT = timedelta(seconds=15)
 
 @contextlib.contextmanager
 def etcd_endpoint(args: argparse.Namespace, run_dir: Path, run_id: str | None = None,
-                  node: str | None = None) -> Iterator[str]:
+                  node: str | None = None, secret=None) -> Iterator[str]:
     """The etcd to rendezvous through: given, shared through the run dir, or our own
     (``--standalone``: always our own, shared with nobody).
 
     Our own is watched (restarted on the same ports and data when it dies: the others'
     clients ride through) and, at the end, kept up until the other agents of ``run_id``
     have left (at most :data:`LEAVE_WAIT`), so that their last calls (the lease revoke,
-    the rendezvous close) succeed at once instead of retrying against a dead etcd."""
-    from resilient.etcd import EmbeddedEtcd, EtcdClient, EtcdError
+    the rendezvous close) succeed at once instead of retrying against a dead etcd.
+
+    Our own runs with etcd's authentication: its root password is derived from the job
+    ``secret`` (default: the one in the environment), so the agents and workers of the
+    run log in (:func:`resilient.etcd.server.embedded_etcd_conf`) and a process without
+    the secret, though it can reach the loopback port, can neither read, write nor delete
+    a key (but see the etcd 3.4/3.5 gap in :mod:`resilient.etcd.server`). A given etcd
+    (``--rdzv-endpoint``) is the operator's to secure."""
+    from resilient.etcd import EmbeddedEtcd, EtcdAuthError, EtcdClient, EtcdError
+    from resilient.etcd.server import embedded_etcd_conf
+    from resilient.secret import require_secret
 
     if args.rdzv_endpoint:
         yield args.rdzv_endpoint
         return
+    secret = secret if secret is not None else require_secret(what="the embedded etcd")
+    auth = embedded_etcd_conf(secret)
     shared = run_dir / "etcd.endpoint"
     if shared.exists() and not args.standalone:
         endpoint = shared.read_text().strip()
         try:
-            with EtcdClient(endpoint, retry_timeout=timedelta(seconds=1)) as c:
-                c.check(timedelta(seconds=2))
-            yield endpoint
-            return
+            with EtcdClient(endpoint, retry_timeout=timedelta(seconds=1), **auth) as c:
+                c.check(timedelta(seconds=2))  # logs in first: our credentials are checked here
+        except EtcdAuthError as e:
+            raise LaunchError(
+                f"the embedded etcd at {endpoint} (named in {shared}) refused this node's login: this node has "
+                f"another job secret (fingerprint {secret.fingerprint}) than the agent that started it. Give "
+                f"every node of the job the same secret (by default the run dir's {shared.parent / 'job.secret'}); "
+                f"if no agent of this run is alive, the file is stale: remove {shared}. ({e})") from None
         except EtcdError:
             pass  # a stale file from an ended run: start our own
-    with EmbeddedEtcd() as etcd:
+        else:
+            yield endpoint
+            return
+    with EmbeddedEtcd(root_password=auth["password"]) as etcd:
         def restarted(code: int | None, seconds: float) -> None:
             print(f"resilient: the embedded etcd at {etcd.endpoint} died (exit code {code}); restarted it on "
                   f"the same ports and data in {seconds:.1f} s, the job goes on", file=sys.stderr, flush=True)
@@ -367,8 +385,8 @@ def etcd_endpoint(args: argparse.Namespace, run_dir: Path, run_id: str | None = 
             yield etcd.endpoint
             return
         shared.write_text(etcd.endpoint)
-        print(f"resilient: embedded etcd at {etcd.endpoint} (other nodes: --rdzv-endpoint {etcd.endpoint} "
-              f"or the same --run-dir)", file=sys.stderr)
+        print(f"resilient: embedded etcd at {etcd.endpoint}, with authentication (other agents on this machine: "
+              "the same --run-dir; they log in with the job secret)", file=sys.stderr)
         try:
             yield etcd.endpoint
         finally:
@@ -467,6 +485,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     from resilient.agent.api import AgentSettings
     from resilient.agent.membership import NodeRegistry
     from resilient.agent.quarantine import Quarantine
+    from resilient.etcd.server import embedded_etcd_conf
     from resilient.events import EventLog
     from resilient.rendezvous import client_from_params, register
     from resilient.rendezvous.registry import parse_rdzv_conf
@@ -480,14 +499,16 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"})
     # The job secret (given, or RUN_DIR/job.secret), named in the environment for the rendezvous,
     # registry, quarantine and node store of this process and for the workers: resilient.secret.
-    provide_job_secret(run_dir, getattr(args, "secret_file", None))
+    secret = provide_job_secret(run_dir, getattr(args, "secret_file", None))
     print(f"resilient: node {node}, {nproc} workers, {min_nodes}:{max_nodes} nodes, "
           f"{program.describe}, run dir {run_dir}", file=sys.stderr)
 
-    with etcd_endpoint(args, run_dir, run_id, node) as endpoint:
+    with etcd_endpoint(args, run_dir, run_id, node, secret) as endpoint:
         register()
+        # On our embedded etcd every client logs in with the job secret's password (etcd_endpoint).
+        rdzv_conf = {**parse_rdzv_conf(args.rdzv_conf), **({} if args.rdzv_endpoint else embedded_etcd_conf(secret))}
         conf = {"last_call_timeout": lc.last_call_timeout, "keep_alive_interval": lc.keep_alive_interval,
-                "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, **parse_rdzv_conf(args.rdzv_conf)}
+                "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, **rdzv_conf}
         params = RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id=run_id,
                                       min_nodes=min_nodes, max_nodes=max_nodes, **conf)
         handler = rendezvous_handler_registry.create_handler(params)
@@ -505,7 +526,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             etcd_outage=timedelta(seconds=lc.etcd_outage),
             run_id=run_id, etcd_endpoint=endpoint,
             etcd_factory=lambda: client_from_params(params),
-            etcd_conf=worker_etcd_conf(parse_rdzv_conf(args.rdzv_conf)),
+            etcd_conf=worker_etcd_conf(rdzv_conf),
             store=store_settings(program.runtime.snapshot),
             worker_entry=program.entry, worker_argv=run.worker_argv, worker_preload=program.preload,
             worker_env=worker_env(nproc), worker_heartbeats=program.heartbeats,

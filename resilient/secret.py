@@ -62,6 +62,7 @@ TAG = 32               # bytes of an HMAC-SHA256 tag
 # Purposes: each gets its own derived key, so a MAC made for one never passes as another.
 RDZV_STATE, REGISTRY, HOLDS, COMMIT, QUARANTINE, PEER = (
     "rdzv-state", "registry", "holds", "commit", "quarantine", "peer")
+ETCD_ROOT = "etcd-root"  # the embedded etcd's root password (JobSecret.etcd_password)
 _HOW = ("give every node of the job the same secret: a file (mode 0600) named by --secret-file or "
         f"${SECRET_FILE_ENV}, or the value of ${SECRET_ENV}; make one with "
         "`python -c 'import secrets; print(secrets.token_hex(32))'`")
@@ -101,6 +102,13 @@ class JobSecret:
     def fingerprint(self) -> str:
         """A short, non-secret name of this secret, for messages: two nodes can compare theirs."""
         return self.key("fingerprint").hex()[:12]
+
+    @property
+    def etcd_password(self) -> str:
+        """The password of the embedded etcd's ``root`` user (:mod:`resilient.etcd.server`). Derived,
+        never stored: every holder of the secret derives the same one, and it tells nothing of the
+        secret or of the other keys (a MAC of its own purpose label)."""
+        return self.key(ETCD_ROOT).hex()
 
     def mac(self, purpose: str, *parts: bytes) -> bytes:
         """HMAC-SHA256 under the purpose's key over length-prefixed parts (no two part lists collide)."""

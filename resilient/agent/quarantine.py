@@ -14,10 +14,14 @@ clears the record::
 Records carry a MAC under the job secret (:mod:`resilient.secret`, bound to
 the record's key). One that fails is reported (``auth_failure``) and ignored:
 a forged record never quarantines a node, and a tampered one is no record. A
-writer of etcd can still *delete* a record (that no MAC can prevent): keep
-etcd itself authenticated on a shared host (``--rdzv-conf username=...``).
-The CLI takes the job secret (``--secret-file``, ``--run-dir`` or the
-environment) and the TLS/auth keys of ``--rdzv-conf``, as ``launch`` does.
+writer of etcd can still *delete* a record (that no MAC can prevent): the
+embedded etcd of ``resilient launch`` lets only holders of the job secret in
+(:mod:`resilient.etcd.server`); keep an external etcd authenticated on a shared
+host (``--rdzv-conf username=...``). The CLI takes the job secret
+(``--secret-file``, ``--run-dir`` or the environment) and the TLS/auth keys of
+``--rdzv-conf``, as ``launch`` does; on a single-machine job ``--run-dir`` alone
+finds the embedded etcd (``RUN_DIR/etcd.endpoint``), its run id and its secret,
+and the CLI logs in to it with the secret.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient.agent.api import AgentError
-from resilient.etcd import EtcdClient
+from resilient.etcd import EtcdAuthError, EtcdClient
 from resilient.secret import (
     QUARANTINE,
     RUN_DIR_SECRET,
@@ -115,17 +119,27 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="resilient quarantine", description="List or clear quarantined nodes.")
     ap.add_argument("action", choices=("list", "clear"))
     ap.add_argument("node", nargs="?", help="the node to clear")
-    ap.add_argument("--rdzv-endpoint", required=True, help="etcd HOST:PORT[,...] of the job")
-    ap.add_argument("--run-id", required=True, help="the job's run id (see the agent_start event)")
+    ap.add_argument("--rdzv-endpoint", default=None, help="etcd HOST:PORT[,...] of the job (default with --run-dir: "
+                    "the run's embedded etcd, RUN_DIR/etcd.endpoint)")
+    ap.add_argument("--run-id", default=None, help="the job's run id (see the agent_start event; default with "
+                    "--run-dir: the one launch derives from it)")
     ap.add_argument("--rdzv-conf", default="", help="etcd TLS/auth keys k=v,k=v, as for launch (ca_cert, cert, key, "
                     "username; the password from RESILIENT_ETCD_PASSWORD)")
     ap.add_argument("--secret-file", default=None, help="the job secret's file (default: $RESILIENT_JOB_SECRET_FILE, "
                     "$RESILIENT_JOB_SECRET, or RUN_DIR/job.secret with --run-dir)")
     ap.add_argument("--run-dir", default=None, help="the run dir of a single-machine job (holds its job.secret)")
     args = ap.parse_args(argv)
+    if args.run_dir:
+        from resilient.launch import default_run_id
+
+        shared = Path(args.run_dir) / "etcd.endpoint"
+        if not args.rdzv_endpoint and shared.exists():
+            args.rdzv_endpoint = shared.read_text().strip()
+        args.run_id = args.run_id or default_run_id(Path(args.run_dir))
+    if not args.rdzv_endpoint or not args.run_id:
+        ap.error("give --rdzv-endpoint and --run-id, or --run-dir of a single-machine job whose agents are running")
     secret = _cli_secret(args) if args.action == "list" else None
-    with _cli_client(args) as client:
-        client.check()  # a wrong endpoint: a clear error in seconds, not the client's long retries
+    with _cli_client(args, secret) as client:
         q = Quarantine(client, args.run_id, secret)
         if args.action == "list":
             good, forged = q.scan()
@@ -150,12 +164,42 @@ def _cli_secret(args: argparse.Namespace) -> JobSecret:
     return found if found is not None else require_secret(what="`resilient quarantine`")
 
 
-def _cli_client(args: argparse.Namespace) -> EtcdClient:
-    """An etcd client reaching the job's etcd as ``launch`` does (TLS, user and password)."""
+def _cli_client(args: argparse.Namespace, secret: JobSecret | None) -> EtcdClient:
+    """An etcd client reaching the job's etcd as ``launch`` does (TLS, user and password), checked.
+
+    Without a user in ``--rdzv-conf``, an etcd that demands a login is taken for the embedded etcd
+    of ``resilient launch``: the client logs in as its root with the job secret's password (no other
+    etcd takes that password; a wrong or missing secret is a clear error)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+    from resilient.etcd.server import embedded_etcd_conf
     from resilient.rendezvous.registry import client_from_params, parse_rdzv_conf
 
     conf = {"retry_timeout": 5.0, **parse_rdzv_conf(args.rdzv_conf)}
-    return client_from_params(RendezvousParameters(backend="etcd3", endpoint=args.rdzv_endpoint, run_id=args.run_id,
-                                                   min_nodes=1, max_nodes=1, **conf))
+
+    def connect(conf: dict) -> EtcdClient:
+        client = client_from_params(RendezvousParameters(backend="etcd3", endpoint=args.rdzv_endpoint,
+                                                         run_id=args.run_id, min_nodes=1, max_nodes=1, **conf))
+        try:
+            client.check()  # a wrong endpoint: a clear error in seconds, not the client's long retries
+            client.count_prefix(f"/resilient/{args.run_id}/quarantine/")  # a login, if etcd wants one
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    if conf.get("username") or conf.get("user"):
+        return connect(conf)
+    try:
+        return connect(conf)
+    except EtcdAuthError:
+        pass  # the embedded etcd: log in with the job secret
+    secret = secret if secret is not None else _cli_secret(args)
+    try:
+        return connect({**conf, **embedded_etcd_conf(secret)})
+    except EtcdAuthError as e:
+        raise EtcdAuthError(
+            f"etcd at {args.rdzv_endpoint} wants a login: if it is the embedded etcd of `resilient launch`, it "
+            f"refused this job secret (fingerprint {secret.fingerprint}): pass the run's (--run-dir or "
+            f"--secret-file); if it is an external etcd, pass --rdzv-conf username=... and "
+            f"RESILIENT_ETCD_PASSWORD. ({e})") from None

@@ -79,7 +79,18 @@ class NodeStoreService:
             return None
 
     def env(self) -> dict[str, str]:
-        return {STORE_ENV: self.info.to_env()}
+        """What each worker's environment gets: the store, and the etcd password when the agent
+        logs in to etcd (a ``--rdzv-conf`` password, or the embedded etcd's, derived from the job
+        secret: ``resilient.launch.etcd_endpoint``). In the environment, never in argv nor in
+        ``RESILIENT_STORE``; given with each assignment, not only inherited, because a warm
+        zygote started before the agent knew it (``resilient.agent.warm.start_early``) lacks it."""
+        from resilient.rendezvous.registry import PASSWORD_ENV
+
+        env = {STORE_ENV: self.info.to_env()}
+        password = os.environ.get(PASSWORD_ENV)
+        if password is not None and (self.info.etcd_conf.get("username") or self.info.etcd_conf.get("user")):
+            env[PASSWORD_ENV] = password
+        return env
 
     def report_full(self, interval: float = 1.0) -> None:
         """A ``store_full`` event each time a rank of this node warned that the store is full

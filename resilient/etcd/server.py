@@ -25,6 +25,18 @@ started it (only the chaos harness restarts one, and scripts/test gives those
 tests Debian's etcd), so there are no other members to diverge from and no data
 that outlives the job. A fleet uses its own etcd cluster (``--rdzv-endpoint``),
 and ``resilient doctor`` warns about an affected version there.
+
+Authentication (``root_password``): the embedded etcd of ``resilient launch``
+listens on loopback, where every local user can reach it. With a root password
+(derived from the job secret: :attr:`resilient.secret.JobSecret.etcd_password`)
+etcd's authentication is turned on right after the first start, before anyone is
+told the endpoint, and every client must log in as ``root``: a process without the
+secret can neither write nor delete nor read a key. It stays on across restarts
+(it lives in the data dir). A known gap: etcd 3.4 and 3.5 (Debian's, the wheel's)
+let an anonymous client raise a NOSPACE alarm, and while it is raised they skip the
+permission checks of writes, deletes and ``auth disable`` (etcd-io/etcd#22386; etcd
+3.6 checks them). Against a local user who knows that, only a client socket other
+users cannot open closes the door.
 """
 
 from __future__ import annotations
@@ -48,11 +60,12 @@ from typing import Callable, Sequence
 
 import requests
 
-from resilient.etcd.api import EtcdError, EtcdNotFound
+from resilient.etcd.api import EtcdAuthError, EtcdError, EtcdNotFound
 from resilient.etcd.client import EtcdClient
 from resilient.procs import OWNER, owner_record, reclaim_dirs
 
-__all__ = ["EmbeddedEtcd", "find_etcd", "bundled_etcd", "free_port", "ETCD_BIN_ENV"]
+__all__ = ["EmbeddedEtcd", "find_etcd", "bundled_etcd", "free_port", "ETCD_BIN_ENV", "ROOT_USER",
+           "embedded_etcd_conf"]
 
 _LIVE: "weakref.WeakSet[EmbeddedEtcd]" = weakref.WeakSet()
 log = logging.getLogger(__name__)
@@ -72,6 +85,14 @@ def reclaim_data_dirs(base: str | os.PathLike | None = None) -> list[str]:
 
 
 ETCD_BIN_ENV = "RESILIENT_ETCD_BIN"
+ROOT_USER = "root"  # etcd's superuser: the one user of an embedded etcd with authentication
+
+
+def embedded_etcd_conf(secret) -> dict[str, str]:
+    """The ``--rdzv-conf`` keys with which a holder of the job secret (a
+    :class:`~resilient.secret.JobSecret`) logs in to the embedded etcd of ``resilient launch``.
+    The password stays in this process (and, for workers, in their environment): never in argv."""
+    return {"username": ROOT_USER, "password": secret.etcd_password}
 
 
 def find_etcd(binary: str | os.PathLike[str] | None = None) -> str:
@@ -162,6 +183,10 @@ class EmbeddedEtcd:
     serve https; add ``client_ca_file`` to require client certificates (the
     server certificate then also needs the clientAuth usage: it is what the
     health probe presents).
+
+    ``root_password``: turn etcd's authentication on at the first start (user
+    ``root``, role ``root``); :meth:`client` then logs in as root unless told
+    otherwise (``client(username=None, password=None)``: an anonymous client).
     """
 
     def __init__(
@@ -176,8 +201,14 @@ class EmbeddedEtcd:
         cert_file: str | os.PathLike[str] | None = None,
         key_file: str | os.PathLike[str] | None = None,
         client_ca_file: str | os.PathLike[str] | None = None,
+        root_password: str | None = None,
     ) -> None:
         self.binary = find_etcd(binary)
+        if root_password is not None and (cert_file or len(root_password) < 16):
+            raise EtcdError("EmbeddedEtcd root_password: give at least 16 characters, and no TLS with it "
+                            "(this server's auth is for the loopback embedded etcd of resilient launch)")
+        self.root_password = root_password
+        self._secured = False  # authentication is on (and checked) in the data dir
         self.host = host
         self.name = name
         self.start_timeout = start_timeout
@@ -229,7 +260,11 @@ class EmbeddedEtcd:
     running = is_running
 
     def client(self, **kwargs: object) -> EtcdClient:
-        """An :class:`EtcdClient` for this server (kwargs go to the client)."""
+        """An :class:`EtcdClient` for this server (kwargs go to the client); logged in as root
+        when the server has a root password."""
+        if self.root_password is not None:
+            kwargs.setdefault("username", ROOT_USER)
+            kwargs.setdefault("password", self.root_password)
         return EtcdClient(self.client_url, **kwargs)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ lifecycle
@@ -250,6 +285,8 @@ class EmbeddedEtcd:
             try:
                 self._spawn()
                 self._wait_healthy()
+                if self.root_password is not None and not self._secured:
+                    self._secure(fresh=first and self._own_dir)
                 return self
             except EtcdError:
                 self._terminate(signal.SIGKILL)
@@ -339,6 +376,30 @@ class EmbeddedEtcd:
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.1)
+
+    def _secure(self, fresh: bool) -> None:
+        """Turn authentication on (user root with :attr:`root_password`, role root), then check
+        that nobody got in first. Why the check: between the server's start and the enable,
+        anyone on the host who found the port could have added a user (kept after the enable),
+        changed root's password or written a key. A server with another user, or a fresh one
+        with any key, is refused (:class:`EtcdAuthError`); a wrong password fails the login."""
+        budget = dict(retry_timeout=self.start_timeout)
+        with EtcdClient(self.client_url, **budget) as anon:
+            try:
+                anon._post("/auth/user/add", {"name": ROOT_USER, "password": self.root_password}, "add user root")
+                anon._post("/auth/user/grant", {"user": ROOT_USER, "role": "root"}, "grant root the root role")
+                anon._post("/auth/enable", {}, "enable authentication")
+            except EtcdAuthError:
+                pass  # already on: a data dir secured before (a given data_dir); checked below
+        with self.client(**budget) as root:
+            users = root._post("/auth/user/list", {}, "list users").get("users") or []
+            keys = root.count_prefix(b"") if fresh else 0
+        if users != [ROOT_USER] or keys:
+            raise EtcdAuthError(
+                f"the embedded etcd on {self.endpoint} was written to before its authentication was on "
+                f"(users {users}, {keys} keys in a fresh data dir): another process on this host is "
+                "tampering with it; stop it, and start the job again")
+        self._secured = True
 
     # ------------------------------------------------------------ the watch
     def watch(self, interval: timedelta = timedelta(seconds=0.5),
