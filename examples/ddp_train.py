@@ -1,6 +1,7 @@
 """The same user script with DDP instead of FSDP2: the state is replicated, every
 rank holds all of it, and the SDC checks compare the replicas bitwise (gradients
-after the all-reduce, parameters after the step). See ``fsdp2_train.py``::
+after the all-reduce, parameters after the step). The loop, with the lines resilient
+adds, is ``fsdp2_train.py``'s ``train``; only the model's wrapping differs::
 
     resilient launch --nproc-per-node 2 examples/ddp_train.py --steps 200
 """
@@ -9,10 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from fsdp2_train import train
 from torch.nn.parallel import DistributedDataParallel
-from toy import Batches, ResumableSampler, TinyTransformer, arguments, init_process_group, trace
-
-import resilient  # resilient
+from toy import TinyTransformer, arguments, init_process_group
 
 
 def main() -> None:
@@ -20,22 +20,7 @@ def main() -> None:
     init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model = DistributedDataParallel(TinyTransformer(args.dim, args.layers))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    sampler = ResumableSampler(args.dataset_size, args.seed)
-    batches = Batches(model, sampler, args, rank, world)
-
-    job = resilient.Job(model=model, optimizer=optimizer, state={"sampler": sampler})  # resilient
-
-    for step in job.steps(args.steps):                                     # resilient
-        loss = batches.forward_backward(step)
-        if not job.verify(loss, replay=lambda: batches.forward_backward(step)):  # resilient
-            continue                                                       # resilient
-        optimizer.step()
-        optimizer.zero_grad()
-        if args.trace:
-            trace(args.trace, step + 1, rank, world, batches.ids(step))
-    job.close()                                                            # resilient
+    train(DistributedDataParallel(TinyTransformer(args.dim, args.layers)), args, rank, world)  # the same loop
     dist.destroy_process_group()
 
 

@@ -28,16 +28,8 @@ from toy import Batches, ResumableSampler, TinyTransformer, arguments, init_proc
 import resilient  # resilient
 
 
-def main() -> None:
-    args = arguments()
-    init_process_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)
-    model = TinyTransformer(args.dim, args.layers)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+def train(model: torch.nn.Module, args, rank: int, world: int) -> None:
+    """The training loop, with the lines resilient adds (``ddp_train.py`` runs it too)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sampler = ResumableSampler(args.dataset_size, args.seed)
     batches = Batches(model, sampler, args, rank, world)
@@ -53,6 +45,19 @@ def main() -> None:
         if args.trace:
             trace(args.trace, step + 1, rank, world, batches.ids(step))
     job.close()                                                            # resilient
+
+
+def main() -> None:
+    args = arguments()
+    init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    model = TinyTransformer(args.dim, args.layers)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    train(model, args, rank, world)
     dist.destroy_process_group()
 
 
