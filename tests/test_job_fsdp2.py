@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 STEPS = 14
 
 
-def train(rank, world, run_dir, *sets):
+def train(rank, world, run_dir, *sets, evaluate_every: int = 0):
     """The example's loop (examples/fsdp2_train.py) on this pool rank; its parameter digest."""
     import signal
     import warnings
@@ -60,6 +60,9 @@ def train(rank, world, run_dir, *sets):
                 continue
             opt.step()
             opt.zero_grad()
+            if evaluate_every and (step + 1) % evaluate_every == 0:
+                with torch.no_grad():   # a forward without backward: FSDP2 keeps the root's parameters gathered
+                    model(torch.zeros(2, 16, dtype=torch.long))
         return param_digest(model.named_parameters()), job.guard.coverage
     finally:
         job.close()
@@ -104,3 +107,14 @@ def test_parameter_flip_at_rest_rolls_back(pool, clean, tmp_path):
     assert suspects and all(s["kind"] == "param_at_rest" and s["suspect_rank"] == 0 for s in suspects), suspects
     assert [e for e in events(tmp_path, "rollback") if "step" not in e], "no rollback"
     assert results == clean[1], "the rolled-back run differs from the fault-free run"
+
+
+def test_an_evaluation_in_the_loop_body_is_not_a_fault(pool, clean, tmp_path):
+    """An evaluation between the optimizer step and the step boundary (the natural place in
+    a user's loop) leaves FSDP2's root parameters gathered; the at-rest hashes and the
+    snapshot must still see the sharded ones: no suspicion, the same final state."""
+    from functools import partial
+
+    results = pool.run(partial(train, evaluate_every=5), str(tmp_path))
+    assert not events(tmp_path, "sdc_suspect"), events(tmp_path, "sdc_suspect")[:2]
+    assert results == clean[1]

@@ -33,10 +33,14 @@ from resilient.sdc.inject import BitFlipInjector, FlipSpec
 from resilient.sdc.monitor import SdcMonitor
 
 
-def is_fsdp(modules: Sequence[nn.Module]) -> bool:
+def fsdp_units(modules: Sequence[nn.Module]) -> list[nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for module in modules for m in module.modules())
+    return [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def is_fsdp(modules: Sequence[nn.Module]) -> bool:
+    return bool(fsdp_units(modules))
 
 
 def is_ddp(modules: Sequence[nn.Module]) -> bool:
@@ -83,6 +87,7 @@ class SdcGuard:
                  local_rank: int = 0, watch_fsdp: bool | None = None, post_scale: float = 1.0):
         self.cfg, self.events, self.rank = cfg, events, rank
         self.modules = list(modules)
+        self.fsdp = fsdp_units(self.modules)
         self.view = ModelView(self.modules)
         self.optim = _Optimizers(optimizers)
         self.monitor: SdcMonitor | None = None
@@ -158,6 +163,15 @@ class SdcGuard:
             self.inject(step, "grad")  # a persistent fault strikes the replay too
             decision = self.monitor.after_replay(step, self.modules, loss)
         return loss, decision
+
+    def settle(self) -> None:
+        """Register FSDP2's sharded parameters again. A forward without backward (an
+        evaluation in the loop's body) leaves the root's parameters gathered (FSDP2 keeps
+        them for the backward that never comes): the at-rest hashes, the snapshot and the
+        digest must see the sharded ones, which the next step's forward starts from anyway.
+        Nothing to do (no communication) when they are sharded already."""
+        for unit in self.fsdp:
+            unit.reshard()
 
     def after_optimizer_step(self, step: int) -> Decision:
         if self.monitor is None:

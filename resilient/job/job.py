@@ -347,6 +347,7 @@ class Job:
         """The step boundary after a completed optimizer step (``steps()`` calls it; call it
         yourself in a loop of your own, after ``optimizer.step()``)."""
         step = self.step + 1
+        self.guard.settle()   # an evaluation in the body may have left FSDP2's parameters gathered
         decision = self.guard.after_optimizer_step(step)
         if decision.action in (Action.ROLLBACK, Action.QUARANTINE):
             self._rollback(decision)
@@ -412,6 +413,7 @@ class Job:
         SystemExit with the agent's "not durable" code when it could not be saved."""
         if self.progress:
             self.progress.close()
+        self.guard.settle()
         with self.heartbeat.while_waiting():
             try:
                 self.keeper.final(self.step, self._rank_extra, lambda: self._global_extra(self.step))
