@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 
-def init_state(opt: torch.optim.Optimizer, module: torch.nn.Module) -> None:
+def init_state(opt: torch.optim.Optimizer, module: torch.nn.Module, fallback: bool = True) -> bool:
     """Materialize ``opt``'s state (zeros, step 0) for ``module``'s parameters, so a
     restore has tensors to fill, in one flat buffer (:func:`prefill`, else
     :func:`pack_state`).
@@ -25,8 +25,12 @@ def init_state(opt: torch.optim.Optimizer, module: torch.nn.Module) -> None:
     core here), paid at every worker start, which a restart's recovery waits for. Adam's
     own lazy initialization (``_init_group``, given placeholder gradients it does not
     read) creates the same zero tensors without the arithmetic; torch's way stays the
-    fallback for an optimizer without it. Either way the step counters end at 0, so a
-    run that never restores is bitwise identical to one that never took a snapshot.
+    fallback for an optimizer without it (``fallback``; otherwise such an optimizer is left
+    as it is and this returns False). The Adam family's way leaves the step counters at 0
+    and every other entry as its own first step would create it, so a run that never
+    restores is bitwise identical to one that never took a snapshot; torch's way is not
+    (SGD's momentum buffer exists before its first step, which then dampens the gradient):
+    use it only for state a restore overwrites anyway.
     """
     prefill(opt)
     try:
@@ -40,11 +44,14 @@ def init_state(opt: torch.optim.Optimizer, module: torch.nn.Module) -> None:
                 for p in params:
                     p.grad = None
     except (AttributeError, TypeError):  # not torch's Adam family: its own way
+        if not fallback:
+            return False
         get_state_dict(module, opt)
     for state in opt.state.values():
         if "step" in state:
             state["step"].zero_()
     pack_state(opt)   # whatever prefill could not place (an optimizer it does not know)
+    return True
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +83,8 @@ def _template(opt: torch.optim.Optimizer, group: dict, like: torch.Tensor) -> di
     for k, v in probe.state[q].items():
         if not isinstance(v, torch.Tensor) or (v.dim() and v.shape != q.shape):
             return None
+        if v.dim() and bool(v.count_nonzero()):
+            return None   # not zeros (Rprop's step sizes start at lr): the optimizer lays it out itself
         out[k] = None if v.dim() else v
     return out or None
 

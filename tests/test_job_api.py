@@ -174,3 +174,85 @@ def test_errors_say_what_to_do(tmp_path, monkeypatch):
         warnings.simplefilter("ignore", NotUnderAgent)
         with pytest.raises(JobError, match="rename them"):
             Job(torch.nn.Linear(2, 2), None, state={"model": {"x": 1}}, run_dir=tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),
+    lambda ps: torch.optim.Rprop(ps, lr=0.01),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+], ids=["sgd-dampening", "rprop", "adagrad"])
+def test_a_job_that_never_restores_trains_as_the_plain_loop(tmp_path, make):
+    """Wrapping a loop in a Job changes nothing while nothing is restored: the optimizer's
+    state is not made up front where its own first step would make it otherwise."""
+    def run(with_job: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = make(model.parameters())
+        job = None
+        if with_job:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NotUnderAgent)
+                job = Job(model, opt, run_dir=tmp_path / "job", progress=False)
+        steps = job.steps(5) if job else range(5)
+        for step in steps:
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if job:
+            job.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert same(run(True), run(False))
+
+
+def test_break_close_and_plain_values(tmp_path):
+    """A loop left with ``break`` is finished by ``close()`` (its last step durable); a plain
+    JSON value in ``state`` comes back in ``job.extra_state``; a second Job's SIGTERM
+    handling survives the first one's close."""
+    def run(stop: int | None):
+        model = torch.nn.Linear(2, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotUnderAgent)
+            job = Job(model, torch.optim.AdamW(model.parameters()), state={"epoch": 0}, run_dir=tmp_path,
+                      progress=False)
+        for step in job.steps(20):
+            if step == stop:
+                break
+            model(torch.ones(1, 2)).sum().backward()
+            job.extra_state["epoch"] = step + 1
+        job.close()
+        return job
+
+    assert run(stop=4).step == 4
+    job = run(stop=None)
+    assert job.restored.step == 4 and job.extra_state["epoch"] == 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotUnderAgent)
+        a = Job(torch.nn.Linear(1, 1), None, run_dir=tmp_path / "a", progress=False)
+        b = Job(torch.nn.Linear(1, 1), None, run_dir=tmp_path / "b", progress=False)
+    a.close()
+    assert signal.getsignal(signal.SIGTERM) == b._on_sigterm
+    b.close()
+
+
+def test_resume_off_still_rolls_back(tmp_path):
+    """``snapshot.resume = false`` skips the start-up restore, not an SDC rollback's."""
+    flip = 'sdc.inject=[{target="param", tensor="2.weight", bit=31, element=0, rank=0, step=5}]'
+    _, ref, *_ = train(tmp_path / "ref", 9)
+    job, model, *_ = train(tmp_path / "flip", 9, flip, "snapshot.resume=false")
+    assert [e for e in events(tmp_path / "flip", "rollback") if "step" not in e]
+    assert same(digest(model), digest(ref))
+
+
+def test_a_rollback_before_the_first_version_goes_back_to_the_initial_state(tmp_path):
+    """No durable version yet (every 10 steps) when a flip at rest is caught after step 6:
+    the job goes back to the state it started from — parameters, optimizer, scheduler (and
+    the lr it had set), counters, per-rank state, data generator — and ends bitwise equal."""
+    flip = 'sdc.inject=[{target="param", tensor="2.weight", bit=31, element=0, rank=0, step=6}]'
+    _, ref, ref_sched, ref_counters, ref_mine = train(tmp_path / "ref", 9, "snapshot.durable_every=10")
+    job, model, sched, counters, mine = train(tmp_path / "flip", 9, flip, "snapshot.durable_every=10")
+    (rollback,) = [e for e in events(tmp_path / "flip", "rollback") if "step" not in e]
+    assert rollback["to_step"] == 0
+    assert same(digest(model), digest(ref)) and counters == ref_counters and mine == ref_mine
+    assert sched.state_dict() == ref_sched.state_dict()

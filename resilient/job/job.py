@@ -31,6 +31,7 @@ version, and the version saved after the body of iteration ``i`` is ``i + 1``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import os
@@ -65,6 +66,61 @@ from resilient.snapshot.api import StorageError
 
 
 
+class InitialState:
+    """The state a fresh run started from, to go back to when an SDC rollback finds no version
+    yet: a host copy of this rank's parameters (local shards), the optimizers as they were
+    (no state, or the zeros made up front), the job's other state, this rank's state and
+    RNG streams. (Saving a version at start instead would make a fresh optimizer's state
+    early: torch's ``get_state_dict`` takes an optimizer step to make it.)"""
+
+    def __init__(self, job: "Job"):
+        self.job = job
+        ms = job.model_state
+        self.params = [(p, _local(p).detach().to("cpu", copy=True)) for m in ms.modules for p in m.parameters()]
+        self.optimizers = [(o, not o.state) for o in ms.optimizers if o is not None]
+        # hyperparameters a scheduler changes (lr): JSON-like values, tensors cloned
+        self.groups = [[{k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                         for k, v in g.items() if k != "params"} for g in o.param_groups] for o, _ in self.optimizers]
+        self.extra = {k: copy.deepcopy(v.state_dict() if is_stateful(v) else v) for k, v in job.extra_state.items()
+                      if not isinstance(v, torch.Tensor)}
+        self.tensors = {k: v.detach().clone() for k, v in job.extra_state.items() if isinstance(v, torch.Tensor)}
+        self.rank = rank_state_dicts(job.rank_state)
+        self.rng = rng_state(job.generators)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for p, saved in self.params:
+            _local(p).copy_(saved)
+        for (opt, was_empty), groups in zip(self.optimizers, self.groups):
+            for live, saved in zip(opt.param_groups, groups):
+                for k, v in saved.items():
+                    if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor):
+                        live[k].copy_(v)
+                    else:
+                        live[k] = copy.deepcopy(v)
+            if was_empty:
+                opt.state.clear()
+                continue
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        v.zero_()
+        job = self.job
+        for k, saved in self.extra.items():
+            target = job.extra_state[k]
+            if is_stateful(target):
+                target.load_state_dict(copy.deepcopy(saved))
+            elif isinstance(target, dict):
+                target.clear()
+                target.update(copy.deepcopy(saved))
+            else:
+                job.extra_state[k] = saved
+        for k, saved in self.tensors.items():
+            job.extra_state[k].copy_(saved)
+        restore_rank_state(job.rank_state, self.rank)
+        set_rng_state(self.rng, job.generators)
+
+
 def default_run_dir() -> Path:
     """``$RESILIENT_RUN_DIR``, else ``runs/<script name>`` under the working directory."""
     if os.environ.get(RUN_DIR_ENV):
@@ -91,7 +147,8 @@ class Job:
       torch's state-dict API with global names; FSDP2/TP shards reshard on restore.
     - ``state``: more of the run's state, saved once for the job: ``Stateful`` objects
       (``state_dict()``/``load_state_dict()``: an LR scheduler), tensors and DTensors, JSON
-      values (counters) — a dict is restored in place.
+      values (counters) — a dict is restored in place, a plain value comes back in
+      ``job.extra_state[key]``.
     - ``rank_state``: state of this rank alone (a per-rank data loader, its RNG): JSON or
       ``Stateful`` with a JSON state dict. Restored on a rank of the same number when the
       world size did not change; after a resize it stays as built (``resharded`` is True).
@@ -151,7 +208,9 @@ class Job:
         self.describe = dict(describe or {})
         self.device = device or (self._first_param_device() or torch.device("cpu"))
         if self.model_state is not None:
-            self.model_state.materialize()   # a restore needs the optimizer's tensors to fill
+            # a restore needs the optimizer's tensors to fill; made now where that changes
+            # nothing (Adam: zeros, step 0, packed for the at-rest hashes), else before a restore
+            self.model_state.materialize(fallback=False)
         mark("optimizer_state")
         self.keeper = StateKeeper(self.config.snapshot, self.run_dir, self._snapshot_state, self._load_state,
                                   self.events, layout=self.layout, config_digest=config_digest)
@@ -170,6 +229,9 @@ class Job:
         self.last_local_loss: Any = None
         self._fields: dict[str, Any] = {}
         self._restored_once = False
+        self._broke = False        # the loop was left with break/return: close() finishes it
+        self._leaving = False      # a quarantine sends this worker away: nothing more is saved
+        self._finished = False
         self._rolled_back = False
         self._t_step = time.perf_counter()
         self.progress = ProgressLine(0, every=log_every) if progress and self.rank == 0 else None
@@ -245,6 +307,12 @@ class Job:
         for k, v in self.extra_state.items():
             if is_stateful(v):
                 v.load_state_dict(state[k])
+            elif not isinstance(v, (dict, torch.Tensor)):
+                self.extra_state[k] = state[k]   # a plain JSON value: read it back from job.extra_state
+
+    def _materialize(self) -> None:
+        if self.model_state is not None:
+            self.model_state.materialize()
 
     def _rank_extra(self) -> dict:
         return {"rng": rng_state(self.generators), "rank_state": rank_state_dicts(self.rank_state)}
@@ -262,7 +330,7 @@ class Job:
             return self.step
         self._restored_once = True
         t0 = time.perf_counter()
-        restored = self.keeper.restore(fresh=self.fresh_model)
+        restored = self.keeper.restore(fresh=self.fresh_model, before=self._materialize)
         self.startup["restore" if restored is not None else "init"] = round(time.perf_counter() - t0, 4)
         self.startup.update({f"restore.{k}": v for k, v in self.keeper.timings.items()})
         if restored is not None:
@@ -275,9 +343,11 @@ class Job:
         else:
             if self.reinit is not None and self.fresh_model:
                 self.reinit()
-            if self.guard.monitor is not None and self.reinit is None:
-                # A rollback before the first snapshot needs a version to go back to.
-                self.keeper.after_step(0, self._rank_extra, lambda: self._global_extra(0), force=True)
+            if self.guard.monitor is not None and self.reinit is None and self.model_state is not None:
+                # A rollback before the first snapshot needs the initial state to go back to: a
+                # host copy of this rank's parameters (saving a version now would make a fresh
+                # optimizer's state early: torch's get_state_dict takes a step to make it).
+                self.reinit = InitialState(self)
         self.guard.note_restored(self.step)
         return self.step
 
@@ -300,14 +370,20 @@ class Job:
             self.progress.total = total or until
         self._run_start(total or until)
         self.heartbeat.beat()
-        while self.step < until and not self.stop_requested:
-            self.guard.begin_step(self.step)
-            self._rolled_back, self._fields, self.loss = False, {}, None
-            self._t_step = time.perf_counter()
-            yield self.step
-            if self._rolled_back:
-                continue
-            self.end_step()
+        try:
+            while self.step < until and not self.stop_requested:
+                self.guard.begin_step(self.step)
+                self._rolled_back, self._fields, self.loss = False, {}, None
+                self._t_step = time.perf_counter()
+                yield self.step
+                if self._rolled_back:
+                    continue
+                self.end_step()
+        except GeneratorExit:
+            # the loop was left early: ``break``/``return``, or an exception once it was handled
+            # (a quarantine's exit sets _leaving; a failing process closes with failed=True)
+            self._broke = True
+            raise
         self.finish()
 
     def _run_start(self, total: int) -> None:
@@ -389,8 +465,9 @@ class Job:
                 self.keeper.abandon_after(decision.rollback_to)
             if dist.is_initialized():
                 dist.barrier()
+            self._leaving = True
             raise SystemExit(QUARANTINE_EXIT if self.rank in decision.quarantine else 1)
-        restored = self.keeper.restore(max_step=decision.rollback_to)
+        restored = self.keeper.restore(max_step=decision.rollback_to, before=self._materialize)
         if restored is not None:
             self._after_restore(restored)
         else:
@@ -411,6 +488,7 @@ class Job:
     def finish(self) -> None:
         """Make the last step durable (end of run, preemption); ``run_end`` event. Raises
         SystemExit with the agent's "not durable" code when it could not be saved."""
+        self._finished = True
         if self.progress:
             self.progress.close()
         self.guard.settle()
@@ -432,14 +510,18 @@ class Job:
 
     def close(self, failed: bool = False) -> None:
         """Finish in-flight writes and stop the checks. ``failed``: the process is failing
-        (bounded waits; nothing that needs every rank)."""
+        (bounded waits; nothing that needs every rank). A loop left early (``break`` out of
+        :meth:`steps`) is finished here first: its last completed step is made durable."""
+        if not failed and self._broke and not self._finished and not self._leaving:
+            self.finish()
         for hook in self.hooks:
             hook.close()
         with self.heartbeat.while_waiting():
             self.keeper.close(failed)
             self.guard.close()
         self.events.close()
-        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+        if (self._old_sigterm is not None and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) == self._on_sigterm):   # not another Job's since
             signal.signal(signal.SIGTERM, self._old_sigterm)   # the process lives on (a test, a notebook)
             self._old_sigterm = None
 

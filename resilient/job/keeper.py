@@ -118,16 +118,54 @@ class StateKeeper:
         return self.durable.rank if self.durable is not None else 0
 
     # ------------------------------------------------------------ restore
-    def restore(self, max_step: int | None = None, fresh: bool = False) -> Restored | None:
+    def restore(self, max_step: int | None = None, fresh: bool = False,
+                before: Callable[[], None] | None = None) -> Restored | None:
         """Load the newest complete version (at most ``max_step``, for a rollback) into the
         state, in place, resharded to this layout. Returns None when there is none.
 
         ``fresh``: the state holds nothing worth keeping (a model built uninitialized): read
         straight into it. Otherwise the version is staged first, so one that fails half-way
-        leaves the live state as it was. Collective."""
-        if self.durable is None or not self.cfg.resume:
+        leaves the live state as it was. ``before()`` runs once a version is known to exist,
+        before the state is asked for (the optimizer's state materialized: tensors to fill;
+        a fresh run never pays for it). ``snapshot.resume = false`` skips the start-up
+        restore, not a rollback's. Collective."""
+        if self.durable is None or (not self.cfg.resume and max_step is None):
             return None
         t0 = time.perf_counter()
+        durable = SnapshotReader(self.durable.url, self.durable.storage_options, self.durable.retry,
+                                 self.durable.opts.threads * 2)
+        secret = self.store.secret() if self.store is not None else None
+        candidates, readers = tiered_candidates(self.store, durable, self.events, secret)
+        try:
+            if max_step is not None:
+                candidates = [c for c in candidates if c[0] <= max_step]
+            if not candidates:
+                return None
+            if before is not None:
+                before()
+            restored, state = self._restore_from(candidates, fresh, t0)
+        finally:
+            for r in readers:
+                r.close()
+        # A rollback (max_step) drops later versions of every tier itself: abandon_after.
+        if restored is not None and self.rank == 0 and self.store is not None and max_step is None:
+            try:
+                forget_after(self.store, restored.step)
+            except Exception:  # bookkeeping; the next commits go on regardless
+                pass
+        if restored is None:
+            return None
+        t1 = time.perf_counter()
+        self.load_fn(state)   # the dict the restore wrote into: JSON leaves were assigned in it
+        self.timings["load"] = round(time.perf_counter() - t1, 4)
+        # The restored version exists already: saving it again at the end (a run restored at
+        # its last step) would only write a second attempt of the same state.
+        self.last_saved = restored.step
+        if not restored.url.startswith("memory://"):
+            self.durable_step = restored.step
+        return restored
+
+    def _restore_from(self, candidates: list, fresh: bool, t0: float) -> tuple[Restored | None, dict]:
         state = self.state_fn()
         direct = fresh and all(_local(v).device.type == "cpu" for _, v, _, _ in iter_leaves(state)
                                if isinstance(v, torch.Tensor))
@@ -140,44 +178,11 @@ class StateKeeper:
             writer.prepare(state, background=True)
         arena = writer.staging() if writer is not None and not direct else None
         self.timings["prepare_buffers"] = round(time.perf_counter() - t0, 4)
-        if self.store is None and max_step is None:
-            restored = self.durable.restore(state, direct=direct)
-        else:
-            restored = self._restore_tiered(state, max_step, arena, direct)
+        restored = restore_candidates(candidates, state, rank=self.rank, config_digest=self.config_digest,
+                                      events=self.events, layout=self.layout, arena=arena, direct=direct)
         if writer is not None and direct:
             writer.prepare(state, background=True, staging=False)
-        if restored is None:
-            return None
-        t1 = time.perf_counter()
-        self.load_fn(state)
-        self.timings["load"] = round(time.perf_counter() - t1, 4)
-        # The restored version exists already: saving it again at the end (a run restored at
-        # its last step) would only write a second attempt of the same state.
-        self.last_saved = restored.step
-        if not restored.url.startswith("memory://"):
-            self.durable_step = restored.step
-        return restored
-
-    def _restore_tiered(self, state: dict, max_step: int | None = None,
-                        arena: torch.Tensor | None = None, direct: bool = False) -> Restored | None:
-        durable = SnapshotReader(self.durable.url, self.durable.storage_options, self.durable.retry)
-        secret = self.store.secret() if self.store is not None else None
-        candidates, readers = tiered_candidates(self.store, durable, self.events, secret)
-        if max_step is not None:
-            candidates = [c for c in candidates if c[0] <= max_step]
-        try:
-            restored = restore_candidates(candidates, state, rank=self.rank, config_digest=self.config_digest,
-                                          events=self.events, layout=self.layout, arena=arena, direct=direct)
-        finally:
-            for r in readers:
-                r.close()
-        # A rollback (max_step) drops later versions of every tier itself: abandon_after.
-        if restored is not None and self.rank == 0 and self.store is not None and max_step is None:
-            try:
-                forget_after(self.store, restored.step)
-            except Exception:  # bookkeeping; the next commits go on regardless
-                pass
-        return restored
+        return restored, state
 
     def catch_up(self, step: int, extra: Callable[[], Any], global_extra: Callable[[], Any]) -> bool:
         """After a restore from a memory tier at ``step``: write the durable version that was due

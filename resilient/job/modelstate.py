@@ -57,12 +57,14 @@ class ModelState:
         self._state: dict | None = None
         self._key: tuple = ()
 
-    def materialize(self) -> None:
-        """Create every optimizer's state now (zeros, step 0), so a restore has tensors to
-        fill; idempotent for parameters that have state."""
+    def materialize(self, fallback: bool = True) -> None:
+        """Create every optimizer's state now, as its first step would (step 0), so a restore
+        has tensors to fill; idempotent for parameters that have state. ``fallback=False``:
+        only where that is exact (torch's Adam family); the others wait for a restore
+        (:func:`~resilient.optim_state.init_state`)."""
         for module, opt in zip(self.modules, self.optimizers):
             if opt is not None:
-                init_state(opt, module)
+                init_state(opt, module, fallback=fallback)
 
     def named_parameters(self):
         for m in self.modules:
