@@ -236,6 +236,11 @@ class Job:
         self._t_step = time.perf_counter()
         self.progress = ProgressLine(0, every=log_every) if progress and self.rank == 0 else None
         self._install_sigterm()
+        # Ranks agree on a preemption's last step over gloo (a CPU tensor whatever the device
+        # backend): the signal reaches each worker at its own point of a step, and a rank that
+        # stopped a step earlier than the others would leave them in a collective.
+        self._stop_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
+        self._stop_flag = torch.zeros(1, dtype=torch.int32)
         self.hooks = self._load_hooks()
 
     # ---------------------------------------------------------------- set-up
@@ -371,7 +376,7 @@ class Job:
         self._run_start(total or until)
         self.heartbeat.beat()
         try:
-            while self.step < until and not self.stop_requested:
+            while self.step < until and not self._stop_agreed():
                 self.guard.begin_step(self.step)
                 self._rolled_back, self._fields, self.loss = False, {}, None
                 self._t_step = time.perf_counter()
@@ -385,6 +390,17 @@ class Job:
             self._broke = True
             raise
         self.finish()
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was told to stop (SIGTERM): one small all-reduce per step, so every
+        rank ends after the same step."""
+        if self._stop_group is None:
+            return self.stop_requested
+        self._stop_flag.fill_(int(self.stop_requested))
+        dist.all_reduce(self._stop_flag, op=dist.ReduceOp.MAX, group=self._stop_group)
+        if self._stop_flag.item():   # never cleared here: a signal during the exchange counts next time
+            self.stop_requested = True
+        return bool(self._stop_flag.item())
 
     def _run_start(self, total: int) -> None:
         self.events.emit("run_start", layout=self.layout, start_step=self.step, total_steps=total,
