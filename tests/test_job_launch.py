@@ -131,7 +131,8 @@ def test_worker_node_and_job_kills_restore_from_ram_peer_and_durable_bitwise(ref
 def test_under_plain_torchrun_a_killed_job_resumes_from_durable(ref, tmp_path):
     env = dict(os.environ, RESILIENT_RUN_DIR=str(tmp_path), PYTHONUNBUFFERED="1",
                PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           f"--log-dir={tmp_path / 'torchelastic'}", str(EXAMPLE)]   # not a new /tmp/torchelastic_* per run
     log = open(tmp_path / "torchrun.log", "w")
     first = subprocess.Popen(cmd + script(tmp_path, STEPS, pace=0.1), cwd=tmp_path, env=env, stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True)

@@ -115,6 +115,7 @@ def test_a_torchrun_script_is_restarted_after_a_kill_and_ends_as_under_torchrun(
     agent = _resilient_launch(tmp_path, "clean", etcd.endpoint, _script_args(clean))
     assert _finish(agent, tmp_path / "clean.log") == 0, (tmp_path / "clean.log").read_text()[-3000:]
     torchrun = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       f"--log-dir={tmp_path / 'torchelastic'}",  # not a new /tmp/torchelastic_* per run
                        *_script_args(ref)], tmp_path / "torchrun.log")
     assert _finish(torchrun, tmp_path / "torchrun.log") == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
     assert [s["restart"] for s in _starts(clean)] == [0, 0]

@@ -106,15 +106,7 @@ class InitialState:
                     if isinstance(v, torch.Tensor):
                         v.zero_()
         job = self.job
-        for k, saved in self.extra.items():
-            target = job.extra_state[k]
-            if is_stateful(target):
-                target.load_state_dict(copy.deepcopy(saved))
-            elif isinstance(target, dict):
-                target.clear()
-                target.update(copy.deepcopy(saved))
-            else:
-                job.extra_state[k] = saved
+        restore_rank_state(job.extra_state, copy.deepcopy(self.extra))   # the same three kinds of value
         for k, saved in self.tensors.items():
             job.extra_state[k].copy_(saved)
         restore_rank_state(job.rank_state, self.rank)
