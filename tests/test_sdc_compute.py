@@ -158,3 +158,76 @@ def test_a_flip_in_forward_is_caught_in_its_step_and_replayed_away_bitwise(clean
     assert [(v["suspect_rank"], v["verdict"]) for v in _of(evs, "sdc_verdict")] == [(0, "transient")]
     assert not _of(evs, "rollback")
     assert all(torch.equal(a, b) for a, b in zip(params, clean)), "the replayed run differs from the fault-free run"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("target,tensor,bit", [
+    # backward: the gradient a Linear's grad-input GEMM hands to its input, one exponent bit off
+    ("activation_grad", "layers.1.feed_forward.w2", 27),
+    # backward: a weight gradient as its grad-weight GEMM computed it, before any hook
+    ("weight_grad", "layers.0.attention.wq.weight", 24),
+])
+def test_a_flip_in_backward_is_caught_in_its_step_and_replayed_away_bitwise(clean, tmp_path, target, tensor, bit, seed):
+    """At a step and element drawn from ``seed``: caught as that GEMM's mismatch in the step
+    it struck, replayed away (transient), bitwise equal to the fault-free run."""
+    import random
+
+    rng = random.Random(seed)
+    step, element = rng.randrange(11, 16), rng.randrange(0, 256)
+    flip = f'sdc.inject=[{{target="{target}", tensor="{tensor}", bit={bit}, element={element}, rank=0, step={step}}}]'
+    params, evs = train(tmp_path, 16, flip)
+    (injected,) = _of(evs, "fault_injected")
+    assert injected["step"] == step and injected["old"] != injected["new"]
+    suspects = _of(evs, "sdc_suspect")
+    assert suspects and {s["step"] for s in suspects} == {step}, suspects
+    gemm = "grad_input" if target == "activation_grad" else "grad_weight"
+    module = tensor.removesuffix(".weight")
+    assert f"0:{module}:{gemm}" in {s["tensor"] for s in suspects if s["kind"] == "gemm_mismatch"}, suspects
+    assert {s["suspect_rank"] for s in suspects} == {0}
+    assert [(v["suspect_rank"], v["verdict"]) for v in _of(evs, "sdc_verdict")] == [(0, "transient")]
+    assert all(torch.equal(a, b) for a, b in zip(params, clean)), "the replayed run differs from the fault-free run"
+
+
+def test_a_rounding_sized_mismatch_is_harmless_and_a_larger_one_is_not():
+    """bf16 Linear whose output row is one dominant element (100) and a small one: a flip of
+    its bit 1 (±1.0) exceeds the row's rounding bound (≈0.78) but is no more than two low bits
+    of the largest element can change (4·2⁻⁸·100): harmless. Bit 3 (±4): a real mismatch."""
+    lin = torch.nn.Linear(4, 2, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]))
+    x = torch.tensor([[100.0, 0.01, 0.0, 0.0]], dtype=torch.bfloat16, requires_grad=True)
+
+    def mismatch(bit):
+
+        mon = SdcMonitor(SdcConfig(abft_every=1, activation_every=0))
+        mon.watch_compute(lin)
+        mon.note_restored(0, lin)
+        h = lin.register_forward_hook(lambda m, a, out: _flipped(out, bit), prepend=True)
+        try:
+            lin(x).float().sum().backward()
+            return [s for s in mon._compute_checks(1, judge=True) if s.tensor.endswith(":forward")]
+        finally:
+            h.remove()
+            mon.close()
+
+    def _flipped(out, bit):
+        from resilient.sdc.inject import flip_bit
+
+        out = out.clone()
+        flip_bit(out, 0, bit)
+        return out
+
+    assert mismatch(0) == []   # half an ulp of 100: inside the rounding bound
+    (small,) = mismatch(1)
+    assert small.harmless and small.evidence["dsum"] == 1.0
+    (big,) = mismatch(3)
+    assert not big.harmless and big.evidence["dsum"] == 4.0
+
+
+def test_a_low_bit_flip_is_not_acted_on(tmp_path):
+    """Through the Job: a flip of bit 0 of a Linear's output is no reason to replay or roll back."""
+    flip = 'sdc.inject=[{target="activation", tensor="layers.1.feed_forward.w2", bit=0, element=7, rank=0, step=13}]'
+    _, evs = train(tmp_path, 16, flip)
+    assert _of(evs, "fault_injected")
+    assert all(s["harmless"] for s in _of(evs, "sdc_suspect")), _of(evs, "sdc_suspect")
+    assert not _of(evs, "sdc_replay") and not _of(evs, "rollback")

@@ -29,7 +29,7 @@ from torch import nn
 
 from resilient.events import EventLog
 from resilient.sdc.api import Action, Decision, SdcConfig, SdcError
-from resilient.sdc.inject import BitFlipInjector, FlipSpec
+from resilient.sdc.inject import HOOKED, BitFlipInjector, FlipSpec
 from resilient.sdc.monitor import SdcMonitor
 
 
@@ -102,12 +102,15 @@ class SdcGuard:
                                       log=lambda rec: events.emit("fault_injected", **rec),
                                       node=node, local_rank=local_rank)
                       for d in cfg.inject]
-        for flip in self.flips:   # activation flips fire from a forward hook on the module they name
+        for flip in self.flips:   # forward/backward flips fire from hooks on the module or parameter they name
             flip.validate(self.modules, world)
-            if flip.spec.target == "activation" and flip.here():
-                part = next((m for m in self.modules if flip.spec.tensor in dict(m.named_modules())), None)
+            if flip.spec.target in HOOKED and flip.here():
+                names = (lambda m: dict(m.named_parameters())) if flip.spec.target == "weight_grad" else (
+                    lambda m: dict(m.named_modules()))
+                part = next((m for m in self.modules if flip.spec.tensor in names(m)), None)
                 if part is None:
-                    raise SdcError(f"sdc.inject: no module {flip.spec.tensor!r} on rank {rank} for an activation flip")
+                    raise SdcError(f"sdc.inject: nothing named {flip.spec.tensor!r} on rank {rank} for a "
+                                   f"{flip.spec.target} flip")
                 flip.attach(part)
 
     def _watch(self, world: int, watch_fsdp: bool | None, post_scale: float) -> str:

@@ -121,3 +121,21 @@ def attach_activation_checks(named_modules: list[tuple[str, nn.Module]], k: floa
         chk._handles.append(m.register_forward_hook(lambda _m, _a, o, nm=name: chk._hook(nm, o), prepend=True))
         chk.names.append(name)
     return chk
+
+
+def reached_the_step(sus: list[Suspicion]) -> list[Suspicion]:
+    """``sus`` without its non-finite activations when nothing else is wrong in the step.
+
+    A non-finite value a module computed in training reaches the loss, and through
+    backward every gradient before it, so other checks (non-finite loss, gradients,
+    reductions) fire in the same step on some rank; the activation suspicion then says
+    where it arose. Alone, it came from a forward whose result the step never used:
+    torch.distributed.pipelining's metadata inference runs each stage once on
+    uninitialized ``torch.empty`` inputs at a schedule's first step (seen on the 3D
+    layout: NaN attention outputs on the second stage, loss and gradients clean), or a
+    value masked out before the loss. Either way training is untouched. The list is the
+    agreed one (identical on every rank), so every rank decides alike."""
+    act = [s for s in sus if s.kind == KIND_NONFINITE and s.evidence.get("where") == "activation"]
+    if act and len(act) == len(sus):
+        return []
+    return sus

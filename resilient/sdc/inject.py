@@ -20,7 +20,9 @@ from torch import nn
 from resilient.sdc.api import SdcError
 from resilient.sdc.checksums import bits_view, local
 
-TARGETS = ("grad", "param", "optim_state", "activation")
+TARGETS = ("grad", "param", "optim_state", "activation", "activation_grad", "weight_grad")
+# targets that strike inside forward or backward, from hooks :meth:`BitFlipInjector.attach` installs
+HOOKED = ("activation", "activation_grad", "weight_grad")
 
 
 @dataclass
@@ -29,7 +31,14 @@ class FlipSpec:
 
     ``tensor`` is a parameter name as ``model.named_parameters()`` gives it
     (for ``activation``: a module name as ``named_modules()`` gives it; the flip
-    hits that module's output). ``element`` indexes the *rank-local* flattened
+    hits that module's output in forward; for ``activation_grad``: a module name,
+    the flip hits the gradient its backward hands to its input: for a Linear, the
+    result of its grad-input GEMM). ``weight_grad`` names a parameter and hits
+    its gradient as the backward computes it (for a Linear's weight: the result
+    of its grad-weight GEMM), before any other hook or reduction sees it; not for
+    FSDP2-sharded parameters, whose gradient the backward computes on an unsharded
+    copy. ``grad``, by contrast, hits the finished gradient after backward.
+    ``element`` indexes the *rank-local* flattened
     tensor (the local shard of a DTensor); negative counts from the end.
     ``persistent`` flips at every call from ``step`` on, replays included
     (a bad device); otherwise once (a transient fault), and not again on replay.
@@ -146,7 +155,7 @@ class BitFlipInjector:
     def maybe_inject(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict | None:
         """Flip now if the spec is due at ``step`` on this rank; returns the flip record."""
         self.current_step = step
-        if self.spec.target == "activation" or not self._due(step):
+        if self.spec.target in HOOKED or not self._due(step):
             return None
         params = dict(model.named_parameters())
         if self.spec.tensor not in params:
@@ -167,35 +176,59 @@ class BitFlipInjector:
         rank outside the job, a tensor this rank does not hold, a bit or element outside it."""
         if not self.spec.node and self.spec.rank >= world:
             raise SdcError(f"sdc.inject: rank {self.spec.rank} is outside the job's {world} ranks")
-        if not self.here() or self.spec.target == "activation":
-            return  # activation: checked when the hook is attached
+        if not self.here() or self.spec.target in ("activation", "activation_grad"):
+            return  # modules: checked when the hook is attached
         params = {n: p for m in parts for n, p in m.named_parameters()}
         if self.spec.tensor not in params:
             raise SdcError(f"sdc.inject: rank {self.rank} holds no parameter {self.spec.tensor!r}; "
                            f"names: {sorted(params)[:6]}...")
+        if self.spec.target == "weight_grad" and hasattr(params[self.spec.tensor], "placements"):
+            raise SdcError(f"sdc.inject: target='weight_grad' needs an unsharded parameter; {self.spec.tensor!r} "
+                           "is a DTensor (FSDP2 / tensor parallel): use target='activation_grad' on its module")
         x = local(params[self.spec.tensor])
         if self.spec.bit >= x.element_size() * 8 or not -x.numel() <= self.spec.element < x.numel():
             raise SdcError(f"sdc.inject: bit {self.spec.bit} / element {self.spec.element} outside "
                            f"{self.spec.tensor!r} on rank {self.rank} ({x.dtype}, {x.numel()} local elements)")
 
     def attach(self, model: nn.Module) -> None:
-        """Install the forward hook for ``activation`` specs (idempotent)."""
-        if self.spec.target != "activation" or self._handle is not None:
+        """Install the hook of a forward or backward target (:data:`HOOKED`; idempotent).
+        Attach before the SDC compute checks first run, so a backward flip strikes before
+        their gradient hooks see the value (a tensor's hooks run in the order registered)."""
+        if self.spec.target not in HOOKED or self._handle is not None:
+            return
+        if self.spec.target == "weight_grad":
+            params = dict(model.named_parameters())
+            if self.spec.tensor not in params:
+                raise SdcError(f"no parameter {self.spec.tensor!r} for a weight_grad flip")
+            self._handle = params[self.spec.tensor].register_hook(
+                lambda g: self._flipped(g, self.spec.tensor + ".grad(backward)"))
             return
         mods = dict(model.named_modules())
         if self.spec.tensor not in mods:
-            raise SdcError(f"no module {self.spec.tensor!r} for an activation flip")
-
-        def hook(_m, _inp, out):
-            if self._due(self.current_step) and isinstance(out, torch.Tensor):
-                out = out.clone()
-                self._flip(out, self.current_step, self.spec.tensor + ".output")
-                return out
-            return None
+            raise SdcError(f"no module {self.spec.tensor!r} for an {self.spec.target} flip")
+        module = mods[self.spec.tensor]
+        if self.spec.target == "activation_grad":
+            def bw_hook(_m, grad_input, _grad_output):
+                if not grad_input or grad_input[0] is None:   # the module's input needs no gradient
+                    return None
+                flipped = self._flipped(grad_input[0], self.spec.tensor + ".grad_input")
+                return None if flipped is None else (flipped,) + tuple(grad_input[1:])
+            self._handle = module.register_full_backward_hook(bw_hook)
+            return
 
         # prepend: the flip strikes before the module's other forward hooks see its output (the
         # SDC compute checks, a tensor-parallel redistribution), as a fault in the module would
-        self._handle = mods[self.spec.tensor].register_forward_hook(hook, prepend=True)
+        self._handle = module.register_forward_hook(
+            lambda _m, _inp, out: self._flipped(out, self.spec.tensor + ".output") if isinstance(out, torch.Tensor) else None,
+            prepend=True)
+
+    def _flipped(self, t: torch.Tensor, what: str) -> torch.Tensor | None:
+        """A copy of ``t`` with the spec's bit flipped if due now (else ``None``: unchanged)."""
+        if not self._due(self.current_step):
+            return None
+        t = t.clone()
+        self._flip(t, self.current_step, what)
+        return t
 
     def detach(self) -> None:
         if self._handle is not None:

@@ -46,65 +46,28 @@ rank 0 (every rank holds the same agreed facts), probes by the rank that ran the
 from __future__ import annotations
 
 import math
-import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from resilient.sdc.abft import GemmCheck, attach_abft
-from resilient.sdc.activations import ActivationCheck, attach_activation_checks
+from resilient.sdc.activations import ActivationCheck, attach_activation_checks, reached_the_step
 from resilient.sdc.api import (KIND_ACTIVATION_SPIKE, KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA,
                                KIND_STATE_AT_REST, Action, Decision, SdcConfig, SdcDetected, SdcError, Spent, Suspicion,
                                Verdict)
+from resilient.sdc.parts import Parts, _named_params, _parts, _timed, device_id  # noqa: F401 - device_id: public here too
 from resilient.sdc.atrest import Resting, at_rest_delta  # noqa: F401 - at_rest_delta: its public home was here
 from resilient.sdc.checksums import LocalGradCheck, RobustSpike, compare_replicas
 from resilient.sdc.probes import Prober
 from resilient.sdc.reduction import ReductionCheck, attach_fsdp
 from resilient.sdc.replay import EXACT_KINDS, Match, ReplayStateMachine, compare, fingerprint
 
-Parts = nn.Module | Sequence[nn.Module]
 # state the optimizer step wrote and nothing else may touch: a change cannot be replayed away
 AT_REST_KINDS = frozenset({KIND_AT_REST, KIND_STATE_AT_REST})
-
-
-def _timed(fn):
-    """Count a hook's wall and CPU time into :meth:`SdcMonitor.overhead_seconds`."""
-    def wrapper(self, *a, **kw):
-        t0 = Spent.now()
-        try:
-            return fn(self, *a, **kw)
-        finally:
-            self._spent.since(t0)
-    wrapper.__doc__, wrapper.__name__, wrapper.__wrapped__ = fn.__doc__, fn.__name__, fn
-    return wrapper
-
-
-def _parts(model_parts: Parts) -> list[nn.Module]:
-    return [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
-
-
-def _named_params(model_parts: Parts) -> list[tuple[str, nn.Parameter]]:
-    out = []
-    for i, m in enumerate(_parts(model_parts)):
-        prefix = f"{i}:" if not isinstance(model_parts, nn.Module) else ""
-        out += [(prefix + n, p) for n, p in m.named_parameters()]
-    return out
-
-
-def device_id(device: torch.device | str | None = None) -> str:
-    """``host:cuda:N`` (or ``host:cpu:pid``): what a quarantine names."""
-    host = os.environ.get("RESILIENT_NODE_ID") or socket.gethostname()
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cpu":
-        return f"{host}:cpu:{os.getpid()}"
-    return f"{host}:{device.type}:{device.index if device.index is not None else 0}"
 
 
 @dataclass
@@ -424,8 +387,8 @@ class SdcMonitor:
         sus = mine
         if scalars[:, 2].max() > 0:
             sus, _ = self._agree(mine)
-        sus = sus + agreed
-        sus = self._finish(step, sorted(sus + loss_sus, key=lambda s: (s.rank, s.kind, s.tensor)))
+        sus = self._finish(step, sorted(reached_the_step(sus + agreed + loss_sus),
+                                        key=lambda s: (s.rank, s.kind, s.tensor)))
         if at_rest_step is not None and not any(s.kind in AT_REST_KINDS and not s.harmless for s in sus):
             self._last_verified = max(self._last_verified, at_rest_step)   # that version's parameters held
         if not sus:
