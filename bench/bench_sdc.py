@@ -362,20 +362,23 @@ def bootstrap(vals: list[float], reps: int = 2000, seed: int = 0) -> tuple[float
     return meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
-def heatmap(rates: dict, counts: dict, path: Path, title: str) -> None:
+def heatmap(rates: dict, counts: dict, path: Path, title: str, cols: list[str] = KINDS,
+            labels: dict[str, str] = KIND_LABEL) -> None:
+    """Detection rate per (bit class, column) cell; ``cols`` and their ``labels``: the
+    tensor kinds here, the injection sites in bench_sdc_compute.py."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, cols = list(BITS), KINDS
+    rows = list(BITS)
     grid = [[rates[r, c] for c in cols] for r in rows]
-    f, ax = plt.subplots(figsize=(6.4, 3.9))
+    f, ax = plt.subplots(figsize=(1.6 * len(cols) + 1.0, 3.9))
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     for i, r in enumerate(rows):
         for j, c in enumerate(cols):
             ax.text(j, i, f"{rates[r, c] * 100:.0f}%\n{counts[r, c]}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(cols)), [KIND_LABEL[c] for c in cols], fontsize=8)
+    ax.set_xticks(range(len(cols)), [labels[c] for c in cols], fontsize=8)
     ax.set_yticks(range(len(rows)), [f"{r} bit" if r == "sign" else r for r in rows], fontsize=8)
     ax.set_title(title, fontsize=9)
     f.colorbar(im, ax=ax, label="detected")
@@ -384,9 +387,9 @@ def heatmap(rates: dict, counts: dict, path: Path, title: str) -> None:
     plt.close(f)
 
 
-def coverage(results: list[dict]) -> tuple[dict, dict]:
+def coverage(results: list[dict], cols: list[str] = KINDS) -> tuple[dict, dict]:
     """(detection rate, "detected/trials (Nh)") per (bit class, kind) cell of the trials."""
-    cells = {(c, k): [r for r in results if r["cls"] == c and r["kind"] == k] for c in BITS for k in KINDS}
+    cells = {(c, k): [r for r in results if r["cls"] == c and r["kind"] == k] for c in BITS for k in cols}
     rates = {ck: sum(r["outcome"] == "detected" for r in rs) / max(1, len(rs)) for ck, rs in cells.items()}
     counts = {ck: f"{sum(r['outcome'] == 'detected' for r in rs)}/{len(rs)}"
               + (f" ({h}h)" if (h := sum(r["outcome"] == "harmless" for r in rs)) else "") for ck, rs in cells.items()}

@@ -80,7 +80,7 @@ def build(kind: str):
 def run(kind: str, steps: int, time_steps: int, only: str = "both") -> dict:
     model, batch, vocab = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    mon = SdcMonitor(SdcConfig(abft_every=1, probe_dtypes=("float32",)))
+    mon = SdcMonitor(SdcConfig(abft_every=1, activation_every=1, probe_dtypes=("float32",)))
     mon.watch_compute(model)
     mon.note_restored(0, model)
 

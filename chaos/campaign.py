@@ -26,14 +26,16 @@ from .injectors import (
     Action, ControlRequest, EtcdMemberKill, EtcdMemberLoss, HangProcess, InjectionFailed, InjectionRecord, Injector, KillProcess, Member,
     Preempt, emit_record,
 )
+from .jobs import LocalJob
 from .netns import LinkCut, NetLab, PacketLoss, Partition
 from .properties import (
     PropertyResult, commit_exactly_once, final_state_equal, no_committed_step_lost, no_leaks, recovery_within_bounds,
-    training_completed,
+    stragglers_found, training_completed,
 )
 from .proxy import ProxyFault, TcpProxy
 from .report import failed_record, write_results
 from .scenario import PlannedFault, Scenario, as_dict
+from .slow import SlowProcess
 from .timeline import EventTail, episodes, load_timeline
 
 
@@ -128,6 +130,15 @@ def make_injector(f: PlannedFault, job: JobHandles) -> Injector:
         if store is None or not small_volume(store):
             return Unavailable(k, "the node stores are not on a small volume (SmallVolume needs root)", **kw)
         return FillStore(store, **kw)
+    if k in ("slow-rank", "slow-host"):
+        src = (lambda: job.rank_pid(t.index)) if k == "slow-rank" else (lambda: job.node_pid(t.index))
+        return SlowProcess(src, factor=p.factor, period=timedelta(milliseconds=p.period_ms), tree=k == "slow-host", **kw)
+    if k == "slow-link":
+        if job.netlab is None:
+            return Unavailable(k, "the job runs without a network lab (topology.network = 'netns' and root needed)", **kw)
+        loss = PacketLoss(job.netlab, t.index, p.probability, peer=t.other, **kw)
+        loss.kind = k
+        return loss
     if k == "scale-down":
         return Action(k, do=lambda: job.stop_node(t.index), check=lambda: not job.node_alive(t.index), settle=timedelta(seconds=60), **kw)
     if k == "scale-up":
@@ -351,6 +362,8 @@ def evaluate(sc: Scenario, run_dir: str | Path, records: list[InjectionRecord], 
                    PropertyResult("training_completed", False, f"cannot read train.steps from {sc.training.config} or the overrides"))
     if pr.final_state != "skip":
         out.append(final_state_equal(reference, actual, diff=diff if pr.final_state == "tolerance" else None, tolerance=pr.tolerance))
+    if pr.straggler_within_steps:
+        out.append(stragglers_found(tl, pr.straggler_within_steps, LocalJob.node_id))
     if pr.no_leaks:
         out.append(no_leaks(run_dir, **(leaks or {})))
     out.extend(more)

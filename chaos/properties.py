@@ -20,6 +20,10 @@ something did. Definitions (the events are those of resilient.events):
   ``step`` after the restore is at most the bound.
 * **final state** — the faulted run's final parameters equal the reference's
   (digests), or differ by at most a tolerance (a ``diff`` function).
+* **stragglers found** — for each slow-rank, slow-host or slow-link fault, a
+  ``straggler`` event after its injection names it with the right cause (the
+  rank, as a device; the node, as a host; the link, at its node or one of its
+  two ends) within a bound in steps.
 * **no leaks** — after the run, no process mentions the run directory, no
   ``/dev/shm`` entry carries the job's prefix, no listed port is listening,
   no listed mount is mounted, no network lab is left.
@@ -61,6 +65,9 @@ SURVIVING_TIERS: dict[str, tuple[str, ...]] = {
     "bitflip": (),
     "scale-down": ("peer", "durable"),
     "scale-up": ALL_TIERS,
+    "slow-rank": ALL_TIERS,   # slow, never lost: nothing is restored
+    "slow-host": ALL_TIERS,
+    "slow-link": ALL_TIERS,
     "failure": ("durable",),  # a failure the harness did not cause
     "start": ("durable",),    # a resume at launch
 }
@@ -204,6 +211,46 @@ def training_completed(timeline: list[dict], steps: int) -> PropertyResult:
     reached = max((e.get("step", 0) for e in timeline if e.get("event") in ("step", "run_end")), default=0)
     ok = reached >= steps
     return PropertyResult("training_completed", ok, f"reached step {reached} of {steps}")
+
+
+# What a straggler verdict must say about each slow fault kind.
+SLOW_CAUSES = {"slow-rank": "device", "slow-host": "host", "slow-link": "link"}
+
+
+def stragglers_found(timeline: list[dict], within_steps: int, node_id: Callable[[int], str]) -> PropertyResult:
+    """See the module doc. ``node_id(i)``: the node id of topology node ``i``."""
+    bad, ok = [], []
+    injected = [f for f in faults(timeline) if f.get("fault") in SLOW_CAUSES and f.get("event") == "fault_injected"
+                and f.get("status") not in NOT_INJECTED]
+    for f in injected:
+        kind, target, t0 = f["fault"], str(f.get("target", "")), f["time"]
+        scope, _, index = target.partition(":")
+        verdicts = [e for e in timeline if e.get("event") == "straggler" and e["time"] >= t0]
+        steps = sorted({e["step"] for e in timeline if e.get("event") == "step" and e["time"] >= t0})
+        want = SLOW_CAUSES[kind]
+
+        def names_it(v: dict) -> bool:
+            if v.get("cause") != want:
+                return False
+            if kind == "slow-rank":
+                return index.isdigit() and v.get("slow_rank") == int(index)
+            if kind == "slow-host":
+                return index.isdigit() and v.get("slow_node") == node_id(int(index))
+            ends = [int(i) for i in index.split("-") if i.isdigit()]   # node:N or link:A-B
+            return v.get("slow_node") in [node_id(i) for i in ends]
+        hit = next((v for v in verdicts if names_it(v)), None)
+        if hit is None:
+            other = [f"{v.get('cause')} rank {v.get('slow_rank')} node {v.get('slow_node')}" for v in verdicts[:3]]
+            bad.append(f"{f.get('fault_id')} ({kind} {target}): no straggler event named it as {want}" +
+                       (f" (got: {'; '.join(other)})" if other else ""))
+            continue
+        late = len([s for s in steps if s <= hit["step"]])
+        (bad if late > within_steps else ok).append(
+            f"{f.get('fault_id')} ({kind} {target}): {want} after {late} step(s)"
+            + (f" > bound {within_steps}" if late > within_steps else ""))
+    if bad:
+        return PropertyResult("stragglers_found", False, "; ".join(bad))
+    return PropertyResult("stragglers_found", True, "; ".join(ok) or "no slow fault injected")
 
 
 def no_leaks(run_dir: str | os.PathLike, *, shm_prefix: str | None = None, shm_paths: Iterable[str] = (), ports: Iterable[int] = (), mounts: Iterable[str | os.PathLike] = (),

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from resilient.errors import ConfigError
+from resilient.observe.goodput import PARTS, Goodput, goodput
 
 from .injectors import InjectionRecord
 from .properties import PropertyResult, check_timeline
@@ -92,7 +93,7 @@ def _esc(text: Any) -> str:
 
 
 def render_markdown(name: str, timeline: list[dict], eps: list[Episode], props: list[PropertyResult],
-                    injections: list[dict], png: str | None = TIMELINE_PNG) -> str:
+                    injections: list[dict], png: str | None = TIMELINE_PNG, good: Goodput | None = None) -> str:
     ok = verdict(props, injections)
     t0 = timeline[0]["time"] if timeline else 0.0
     t1 = timeline[-1]["time"] if timeline else 0.0
@@ -143,20 +144,49 @@ def render_markdown(name: str, timeline: list[dict], eps: list[Episode], props: 
             mean = f"{sum(recs) / len(recs):.2f} s" if recs else "—"
             mx = f"{max(recs):.2f} s" if recs else "—"
             lines.append(f"| {kind} | {len(group)} | {len(recs)} | {mean} | {mx} | {lost} |")
+    lines += goodput_markdown(good if good is not None else goodput(timeline))
     if png:
         lines += ["", f"![timeline]({png})"]
     return "\n".join(lines) + "\n"
 
 
-def plot_timeline(timeline: list[dict], eps: list[Episode], path: str | os.PathLike, title: str = "") -> Path:
+PART_LABELS = {"productive": "productive (steps kept)", "redone": "redone (steps computed again)",
+               "snapshot_stall": "snapshot stalls", "startup": "start-up", "detection": "fault → detected",
+               "recovery": "recovery (detected → first step)", "other": "other (shutdown, idle)"}
+PART_COLORS = {"productive": "tab:green", "redone": "tab:orange", "snapshot_stall": "tab:olive",
+               "startup": "tab:blue", "detection": "tab:red", "recovery": "tab:purple", "other": "lightgray"}
+
+
+def goodput_markdown(g: Goodput) -> list[str]:
+    """The goodput section: the wall time split and what each fault kind cost."""
+    if not g.wall > 0:
+        return []
+    lines = ["", "## Goodput", "",
+             f"Effective training time ratio: **{100 * (g.ratio or 0):.1f}%** of {g.wall:.1f} s of wall time "
+             f"(time of steps kept / wall time; {g.steps_kept} steps kept, {g.steps_redone} computed again). "
+             "Each part is defined in resilient/observe/goodput.py.", "",
+             "| part | seconds | share |", "| --- | --- | --- |"]
+    lines += [f"| {PART_LABELS[p]} | {v:.2f} | {100 * v / g.wall:.1f}% |" for p, v in g.parts().items()]
+    if g.by_cause:
+        lines += ["", "| cause | injected | incidents | detection | recovery | redone | steps redone | cost |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {k} | {c.injected} | {c.incidents} | {c.detection_s:.2f} s | {c.recovery_s:.2f} s | "
+                  f"{c.redone_s:.2f} s | {c.redone_steps} | {c.cost_s:.2f} s |" for k, c in sorted(g.by_cause.items())]
+    return lines
+
+
+def plot_timeline(timeline: list[dict], eps: list[Episode], path: str | os.PathLike, title: str = "",
+                  good: Goodput | None = None) -> Path:
     """Step against time per rank; faults (red), restores (▲) and recoveries
-    (green) marked. Uses the Agg backend: no display needed."""
+    (green) marked; below, the goodput band (what each stretch of wall time was).
+    Uses the Agg backend: no display needed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t0 = timeline[0]["time"] if timeline else 0.0
-    fig, ax = plt.subplots(figsize=(11, 5))
+    fig, (ax, band) = plt.subplots(2, 1, figsize=(11, 5.8), sharex=True, gridspec_kw={"height_ratios": [8, 1]})
+    _goodput_band(band, good if good is not None else goodput(timeline), t0)
     series: dict[tuple, list[tuple[float, float]]] = {}
     nan = float("nan")
     for e in timeline:
@@ -187,7 +217,7 @@ def plot_timeline(timeline: list[dict], eps: list[Episode], path: str | os.PathL
             ax.plot([ep.restored_at - t0], [ep.restore_step or 0], "^", color="purple", ms=7, label=once("restore (step restored)"))
         if ep.recovered_at is not None:
             ax.axvline(ep.recovered_at - t0, color="green", ls=":", lw=1, label=once("recovered"))
-    ax.set_xlabel("time since first event (s)")
+    band.set_xlabel("time since first event (s)")
     ax.set_ylabel("step")
     ax.set_title(title or "training progress under faults")
     if series or commits or eps:
@@ -196,6 +226,19 @@ def plot_timeline(timeline: list[dict], eps: list[Episode], path: str | os.PathL
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def _goodput_band(ax: Any, g: Goodput, t0: float) -> None:
+    """One horizontal band: each stretch of wall time coloured by its goodput part."""
+    for part in PARTS:
+        bars = [(a - t0, b - a) for a, b, p in g.spans if p == part]
+        share = f" {100 * getattr(g, part) / g.wall:.0f}%" if g.wall > 0 else ""
+        if bars:
+            ax.broken_barh(bars, (0, 1), color=PART_COLORS[part], linewidth=0, label=f"{part.replace('_', ' ')}{share}")
+    ax.set_yticks([])
+    ax.set_ylabel("goodput", rotation=0, ha="right", va="center")
+    if g.spans:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=len(PARTS), fontsize=7, frameon=False)
 
 
 def verdict(props: list[PropertyResult], injections: list[dict]) -> bool:
@@ -235,6 +278,7 @@ def report(run_dir: str | os.PathLike, *, bound: timedelta = timedelta(seconds=6
         injections = [{k: e.get(k) for k in ("fault_id", "fault", "target", "status", "detail")}
                       for e in timeline if e.get("event") == "fault_injected" and "request" not in e]
         name = run_dir.name
-    plot_timeline(timeline, eps, run_dir / TIMELINE_PNG, title=name)
-    (run_dir / REPORT_MD).write_text(render_markdown(name, timeline, eps, props, injections))
+    good = goodput(timeline)
+    plot_timeline(timeline, eps, run_dir / TIMELINE_PNG, title=name, good=good)
+    (run_dir / REPORT_MD).write_text(render_markdown(name, timeline, eps, props, injections, good=good))
     return 0 if verdict(props, injections) else 1

@@ -136,6 +136,24 @@ class StoreFullParams:
 
 
 @dataclass
+class SlowParams:
+    """slow-rank / slow-host: a SIGSTOP/SIGCONT duty cycle on a worker or a node's workers (chaos.slow)."""
+
+    factor: float = knob(2.0, "slow-down: everything the target computes takes this many times as long (> 1)")
+    seconds: float = knob(20.0, "how long the target stays slow; 0 = until the run ends")
+    period_ms: float = knob(20.0, "duty-cycle period: stopped for period·(1 - 1/factor), then running")
+
+
+@dataclass
+class SlowLinkParams:
+    """slow-link: a low rate of dropped packets into one node (or from one peer): TCP
+    retransmits stretch every transfer through it (needs topology.network = 'netns')."""
+
+    probability: float = knob(0.02, "share of packets dropped, in (0, 1]: 0.1% already costs TCP a third of its throughput")
+    seconds: float = knob(20.0, "how long the link stays slow")
+
+
+@dataclass
 class ScaleParams:
     """scale-down / scale-up: remove a node gracefully, or add one back."""
 
@@ -161,6 +179,9 @@ PARAMS_BY_KIND: dict[str, type] = {
     "store-full": StoreFullParams,
     "scale-down": ScaleParams,
     "scale-up": ScaleParams,
+    "slow-rank": SlowParams,
+    "slow-host": SlowParams,
+    "slow-link": SlowLinkParams,
 }
 FAULT_KINDS = tuple(PARAMS_BY_KIND)
 
@@ -172,6 +193,7 @@ _TARGET_SCOPES = {
     "delay": ("etcd", "rendezvous"), "bandwidth": ("etcd", "rendezvous"),
     "reset": ("etcd", "rendezvous"), "etcd-loss": ("etcd",), "embedded-etcd-kill": ("etcd",), "storage-flaky": ("durable",),
     "bitflip": ("rank",), "disk-full": ("durable", "local"), "store-full": ("local",), "scale-down": ("node",), "scale-up": ("node",),
+    "slow-rank": ("rank",), "slow-host": ("node",), "slow-link": ("node", "link"),
 }
 
 
@@ -262,6 +284,7 @@ class Properties:
     recovery_bound_seconds: float = knob(60.0, "default bound from a fault to the first step after the restore")
     training_completes: bool = knob(True, "the run reaches its last step")
     no_leaks: bool = knob(True, "no process, listening port or /dev/shm entry of the run survives it")
+    straggler_within_steps: int = knob(0, "slow-rank/slow-host/slow-link faults: a `straggler` event naming the target with the right cause within this many steps of the injection; 0 = not checked")
     surviving_tiers: dict = _many(dict, "per fault kind, the tiers that must survive it (overrides the defaults), e.g. {kill-node = ['peer', 'durable']}")
 
 
@@ -412,7 +435,11 @@ def _validate_fault(f: FaultSpec, i: int, sc: Scenario) -> None:
         raise ConfigError(f"{src}: {where}.params.delay_ms must be > 0 for delay")
     if f.kind == "bandwidth" and p.bytes_per_second <= 0:
         raise ConfigError(f"{src}: {where}.params.bytes_per_second must be > 0 for bandwidth")
-    if f.kind in ("partition", "link-cut", "packet-loss") and sc.topology.network != "netns":
+    if f.kind in ("slow-rank", "slow-host") and not (p.factor > 1 and p.period_ms > 0):
+        raise ConfigError(f"{src}: {where}.params needs factor > 1 and period_ms > 0 for {f.kind} (got factor {p.factor}, period_ms {p.period_ms})")
+    if f.kind == "slow-link" and not 0 < p.probability <= 1:
+        raise ConfigError(f"{src}: {where}.params.probability must be in (0, 1] for slow-link")
+    if f.kind in ("partition", "link-cut", "packet-loss", "slow-link") and sc.topology.network != "netns":
         raise ConfigError(f"{src}: {where} ({f.kind}) needs topology.network = 'netns'")
     if f.kind in ("delay", "bandwidth", "reset") and t.scope not in sc.topology.proxy:
         raise ConfigError(f"{src}: {where} ({f.kind} on {t.scope}) needs topology.proxy to include '{t.scope}'")

@@ -7,6 +7,7 @@
     resilient ckpt ls|inspect|verify|reshard|convert|import|diff|gc ...
     resilient chaos run SCENARIO [--out DIR] | report DIR
     resilient doctor [CONFIG] [--rdzv-endpoint HOST:PORT] [--run-dir DIR]
+    resilient status RUN_DIR | --rdzv-endpoint HOST:PORT --run-id ID [--once] [--json]
 
 Each subcommand's code lives in its own module; this file only parses the
 first word and maps typed errors to a one-line message and exit code 2.
@@ -87,6 +88,12 @@ def _cmd_doctor(argv: list[str]) -> int:
     return doctor_main(argv, load_config)
 
 
+def _cmd_status(argv: list[str]) -> int:
+    from resilient.observe.status import main as status_main
+
+    return status_main(argv)
+
+
 def _cmd_quarantine(argv: list[str]) -> int:
     from resilient.agent.quarantine import main as quarantine_main
 
@@ -97,6 +104,7 @@ COMMANDS = {
     "launch": (_cmd_launch, "run a training job"),
     "ckpt": (_cmd_ckpt, "inspect, verify, reshard, convert, diff and gc checkpoints"),
     "chaos": (_cmd_chaos, "run a fault-injection campaign, or report on one"),
+    "status": (_cmd_status, "a live view of a job: members, round, commits, failures, recoveries, goodput"),
     "quarantine": (_cmd_quarantine, "list or clear nodes quarantined for silent data corruption"),
     "data": (_cmd_data, "prepare a token corpus"),
     "config": (_cmd_config, "show or explain a run config"),

@@ -29,9 +29,11 @@ EVENTS = frozenset({
     "snapshot", "commit", "upload", "upload_error", "restore", "restore_fallback", "gc", "store_full",
     # agent and rendezvous
     "agent_start", "agent_stop", "rendezvous", "workers_started", "failure",
-    "heartbeat_timeout", "evicted", "preemption", "scale", "membership", "auth_failure",
+    "heartbeat_timeout", "evicted", "preemption", "scale", "membership", "auth_failure", "metrics",
     # silent data corruption
     "sdc_suspect", "sdc_replay", "sdc_verdict", "sdc_probe", "sdc_coverage", "quarantine", "rollback",
+    # fail-slow
+    "straggler",
     # chaos
     "fault_injected", "fault_cleared",
 })
@@ -95,3 +97,43 @@ def merge_events(paths: list[str | os.PathLike]) -> list[dict]:
     merged = [e for p in paths if os.path.exists(p) for e in read_events(p)]
     merged.sort(key=lambda e: e.get("time", 0.0))
     return merged
+
+
+LOG_PATTERNS = ("events.jsonl", "*/events.jsonl", "*/*/events.jsonl")   # a run dir's logs, not its checkpoint trees
+
+
+class EventTail:
+    """Incremental reader of every event log under a run directory (up to three levels
+    deep, so checkpoint trees are not walked): :meth:`poll` returns the complete lines
+    appended since the last call, oldest first. A line still being written waits for the
+    next call; a torn line (its writer killed mid-write) is skipped. Used by whatever
+    watches a live run: ``resilient status``, the chaos harness's fault driver."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = Path(run_dir)
+        self._offsets: dict[Path, int] = {}
+
+    def paths(self) -> list[Path]:
+        return sorted({p for pattern in LOG_PATTERNS for p in self.run_dir.glob(pattern)})
+
+    def poll(self) -> list[dict]:
+        new: list[dict] = []
+        for path in self.paths():
+            off = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(off)
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            end = data.rfind(b"\n") + 1
+            for line in data[:end].splitlines():
+                try:
+                    e = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(e, dict) and isinstance(e.get("time"), (int, float)):
+                    new.append(e)
+            self._offsets[path] = off + end
+        new.sort(key=lambda e: e["time"])
+        return new

@@ -269,7 +269,8 @@ def prepare_run(args: argparse.Namespace, gpt: ProgramFactory | None = None) -> 
     # What the workers read is what this node runs: the flags over the [launch] knobs (a copy:
     # the GPT's own config is written as it was resolved).
     program.runtime = dataclasses.replace(program.runtime, launch=dataclasses.replace(
-        lc, nproc_per_node=nproc, nnodes=f"{nnodes[0]}:{nnodes[1]}", max_restarts=max_restarts))
+        lc, nproc_per_node=nproc, nnodes=f"{nnodes[0]}:{nnodes[1]}", max_restarts=max_restarts,
+        metrics_port=lc.metrics_port if args.metrics_port is None else args.metrics_port))
     node = args.node_id or socket.gethostname()
     run_dir = Path(args.run_dir or Path("runs") / program.name).resolve()
     try:
@@ -531,6 +532,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             worker_entry=program.entry, worker_argv=run.worker_argv, worker_preload=program.preload,
             worker_env=worker_env(nproc), worker_heartbeats=program.heartbeats,
             runtime_config=str(run.runtime_config),
+            metrics_port=lc.metrics_port if lc.metrics_port >= 0 else None,
         )
         spec = WorkerSpec(role="trainer", local_world_size=nproc, rdzv_handler=handler,
                           entrypoint=sys.executable, args=(), max_restarts=run.max_restarts,
@@ -545,7 +547,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             except BaseException:
                 registry.leave()  # our claim must not hold the node id for a lease ttl
                 raise
-            events.emit("agent_start", run_id=run_id, endpoint=endpoint, nnodes=[min_nodes, max_nodes], nproc=nproc)
+            events.emit("agent_start", run_id=run_id, endpoint=endpoint, nnodes=[min_nodes, max_nodes], nproc=nproc,
+                        domain=args.domain or node)
             result = agent.run()
         finally:
             client.close()

@@ -89,6 +89,9 @@ def _common_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--secret-file", default=None, metavar="PATH",
                     help="the job secret (a file of mode 0600, the same on every node; default: "
                          "$RESILIENT_JOB_SECRET_FILE, $RESILIENT_JOB_SECRET, else RUN_DIR/job.secret, created)")
+    ap.add_argument("--metrics-port", dest="metrics_port", default=None, metavar="PORT|off",
+                    help="serve this agent's Prometheus metrics on PORT (0: a free one, named in the run's "
+                         "`metrics` event; off: none) (default: [launch] metrics_port, 0)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set snapshot.every=10 (repeatable)")
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from resilient.configbase import knob, load_section, read_toml, section_to_dict
 from resilient.errors import ConfigError
+from resilient.failslow.api import FailSlowConfig
 from resilient.sdc.api import SdcConfig
 from resilient.snapshot.config import SnapshotConfig
 
@@ -27,7 +28,7 @@ __all__ = ["RuntimeConfig", "SnapshotConfig", "SdcConfig", "LaunchConfig", "load
 
 # The sections a runtime config may hold; any other (model, train, ...) belongs to a
 # trainer's own config.
-RUNTIME_SECTIONS = ("snapshot", "sdc", "launch")
+RUNTIME_SECTIONS = ("snapshot", "sdc", "launch", "failslow")
 # Where the launcher tells a worker its resolved runtime config (JSON).
 RUNTIME_CONFIG_ENV = "RESILIENT_RUNTIME_CONFIG"
 
@@ -52,6 +53,26 @@ class LaunchConfig:
     preemption_grace: float = knob(20.0, "after SIGTERM, how long workers get to finish the step and save before SIGKILL")
     etcd_outage: float = knob(300.0, "seconds etcd may stay unreachable while the workers train on (the local tier keeps their snapshots); past it a node stops after its workers saved their newest step, and a relaunch resumes from the newest durable version")
     etcd_compact_interval: float = knob(300.0, "seconds between compactions of etcd's history by each agent (a job that snapshots every step writes etcd records every step, ~0.5 GB of etcd database a day on the demo, and a full etcd refuses every write); 0 = never, for an etcd whose operators compact it")
+    # On by default: an exporter switched on only after an incident has nothing to show about
+    # it, and one costs an idle thread and a socket (the log is read only when scraped). A free
+    # port by default, since several agents share a machine; the `metrics` event and the node
+    # registry in etcd tell where. It exposes counts and timings, no secret: -1 where no port
+    # may be opened.
+    metrics_port: int | str = knob(0, "Prometheus metrics of this agent (resilient.observe.metrics): the HTTP port to serve /metrics on, 0 = a free one (its address is the run's `metrics` event), -1 or \"off\" = no metrics")
+
+    def __post_init__(self) -> None:
+        port = self.metrics_port
+        if isinstance(port, str) and port.strip().lower() == "off":
+            port = -1
+        elif isinstance(port, str):
+            try:
+                port = int(port)
+            except ValueError:
+                port = None
+        if isinstance(port, bool) or not isinstance(port, int) or not -1 <= port <= 65535:
+            raise ConfigError(f"'launch.metrics_port' = {self.metrics_port!r}: expected a port 1-65535, "
+                              "0 for a free one, or -1 (or \"off\") for no metrics")
+        self.metrics_port = port
 
 
 @dataclass
@@ -61,6 +82,7 @@ class RuntimeConfig:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     sdc: SdcConfig = field(default_factory=SdcConfig)
+    failslow: FailSlowConfig = field(default_factory=FailSlowConfig)
     source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
 
     def to_dict(self) -> dict:
@@ -106,6 +128,7 @@ def runtime_config_from_dict(table: dict, source: str = "<dict>") -> RuntimeConf
             f"script) holds only [{'], ['.join(RUNTIME_SECTIONS)}]. A built-in GPT run config is launched "
             "on its own: resilient launch CONFIG.toml")
     cfg = load_section(RuntimeConfig, table, "", source)
+    cfg.failslow.validate(f"{source}: [failslow]")
     cfg.source = source
     return cfg
 

@@ -66,7 +66,8 @@ def test_hung_worker_is_detected_and_replaced(corpus, tmp_path, etcd):
 
 def test_node_loss_shrinks_and_a_new_node_grows(corpus, tmp_path, etcd):
     """Two nodes train; one is killed (agent and workers) → the survivor
-    re-forms alone; a new node joins → the job grows back to two."""
+    re-forms alone; a new node joins → the job grows back to two; that node is
+    preempted (SIGTERM) → the survivor re-forms alone from the step both saved."""
     run = tmp_path / "run"
     run.mkdir()
     over = agent_overrides(corpus, 2000)
@@ -88,6 +89,20 @@ def test_node_loss_shrinks_and_a_new_node_grows(corpus, tmp_path, etcd):
         wait_for(lambda: any(e["layout"]["world"] == 2 and e["time"] > c_start for e in events(run, "run_start"))
                  if (c_start := min(e["time"] for e in events(run, "agent_start") if e["node"] == "c")) else False,
                  120, "training on two nodes again")
+        # c is preempted (SIGTERM to its agent): every rank saves the same last step, c leaves,
+        # and a re-forms alone from that step, its workers' stop not counted as a failure
+        two = max(e["time"] for e in events(run, "run_start") if e["layout"]["world"] == 2)
+        wait_for(lambda: len([e for e in events(run, "step") if e["time"] > two]) >= 2, 120, "steps on two nodes")
+        failures_before = len([e for e in events(run, "failure") if e["node"] == "a"])
+        os.kill(c.proc.pid, signal.SIGTERM)
+        assert c.wait(90) is not None
+        left = wait_for(lambda: [e for e in events(run, "run_end") if e["node"] == "a" and e.get("peer_left")],
+                        90, "a's workers to stop for c's preemption")[0]
+        assert [e["step"] for e in events(run, "run_end") if e["node"] == "c"] == [left["step"]]
+        wait_for(lambda: any(e["node"] == "a" and e.get("start_step") == left["step"] and e["layout"]["world"] == 1
+                             for e in events(run, "run_start")), 120, "a to resume alone from the saved step")
+        assert any(e.get("reason") == "peer_preempted" for e in events(run, "membership"))
+        assert len([e for e in events(run, "failure") if e["node"] == "a"]) == failures_before
     finally:
         for agent in (a, b, c):
             if agent is not None:

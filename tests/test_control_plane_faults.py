@@ -10,7 +10,9 @@ under ``resilient launch`` with its embedded etcd, real processes, real kills.
 - the owner's wait for the others (:func:`resilient.launch.wait_for_agents_to_leave`) against
   real registry entries: it ends when the last one leaves, or at its bound;
 - an external etcd down for longer than ``launch.etcd_outage``: the node stops after its
-  workers saved their newest step durably, with a message that says how to resume."""
+  workers saved their newest step durably, with a message that says how to resume;
+- an external three-member cluster losing two members (no quorum) for a few seconds: the
+  job trains through it, commits resume, and it ends bitwise equal to the fault-free run."""
 
 from __future__ import annotations
 
@@ -51,9 +53,16 @@ def committed_steps(run, tier: str = "local") -> list[int]:
     return [e["step"] for e in events(run, "commit") if e["tier"] == tier]
 
 
-def test_a_killed_embedded_etcd_is_restarted_and_the_job_ends_as_without_the_fault(tmp_path):
-    ref = tmp_path / "ref"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free run's final parameter digests (the oracle of the faulted runs)."""
+    ref = tmp_path_factory.mktemp("ref") / "run"
     run_launch(EXAMPLE, ref, SETS, nproc=2, script_args=script())
+    assert len(digests(ref)) == 2
+    return digests(ref)
+
+
+def test_a_killed_embedded_etcd_is_restarted_and_the_job_ends_as_without_the_fault(tmp_path, reference):
     run = tmp_path / "run"
     run.mkdir()
     agent = Agent(EXAMPLE, run, SETS, "a", nproc=2, script_args=script(pace=0.1))
@@ -73,7 +82,38 @@ def test_a_killed_embedded_etcd_is_restarted_and_the_job_ends_as_without_the_fau
     assert after and max(after) >= STEPS - 1, f"no memory-tier commit after the kill at step {killed_at}"
     assert not events(run, "preemption"), "an etcd outage was read as a preemption"
     assert [e["reason"] for e in events(run, "agent_stop")] == ["finished"]
-    assert digests(run) == digests(ref) and len(digests(ref)) == 2, "final state differs from the fault-free run"
+    assert digests(run) == reference, "final state differs from the fault-free run"
+
+
+def test_an_external_cluster_that_loses_quorum_is_ridden_through(tmp_path, monkeypatch, reference):
+    """Two of three etcd members killed for a few seconds (no quorum: every write fails):
+    the workers train on, the memory-tier commits stop and resume once a majority is
+    back, and the run ends bitwise equal to the fault-free one, with no preemption."""
+    from resilient.etcd.cluster import EtcdCluster
+
+    monkeypatch.setenv("RESILIENT_JOB_SECRET", "5e" * 32)
+    run = tmp_path / "run"
+    run.mkdir()
+    with EtcdCluster(3) as cluster:
+        agent = Agent(EXAMPLE, run, SETS, "a", nproc=2, endpoint=cluster.endpoint, script_args=script(pace=0.15))
+        try:
+            wait_for(lambda: max(committed_steps(run), default=0) >= 5, 120, "the first memory-tier commits")
+            cluster.members[1].stop()
+            cluster.members[2].stop()
+            lost_at = max(committed_steps(run))
+            steps_at = len(events(run, "step"))
+            wait_for(lambda: len(events(run, "step")) >= steps_at + 3, 60, "steps without quorum")
+            cluster.members[1].start()   # a majority again: the quorum is back
+            cluster.members[2].start()
+            assert agent.wait(180) == 0, agent.output()[-3000:]
+        finally:
+            agent.close()
+            reclaim("/dev/shm", default_run_id(run))
+    after = [s for s in committed_steps(run) if s > lost_at + 1]
+    assert after and max(after) >= STEPS - 1, f"no memory-tier commit after quorum came back (lost at {lost_at})"
+    assert not events(run, "preemption"), "a quorum loss was read as a preemption"
+    assert [e["reason"] for e in events(run, "agent_stop")] == ["finished"]
+    assert digests(run) == reference, "final state differs from the fault-free run"
 
 
 def test_nodes_leaving_one_after_the_other_both_exit_cleanly(tmp_path):

@@ -32,3 +32,15 @@ def test_node_store_publishes_the_agents_commits_to_its_workers(tmp_path):
         assert store.versions() == []  # the status file is not a version
     finally:
         store.remove()
+
+
+def test_a_tier_that_falls_behind_is_shown_stale():
+    """The local tier stuck at step 40 (a node store that filled up) while training reached
+    step 60: marked stale; a tier one interval behind (asynchronous commits) is not."""
+    from resilient.job.job import committed_text
+    from resilient.snapshot.config import SnapshotConfig
+
+    snap = SnapshotConfig(every=1, durable_every=10)
+    assert committed_text(60, {"local": 40, "peer": 59, "durable": 50}, snap) == "local 40 (stale) peer 59 durable 50"
+    assert committed_text(60, {"local": 60, "durable": 38}, snap) == "local 60 durable 38 (stale)"
+    assert committed_text(5, {}, snap) == "none yet"

@@ -14,6 +14,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from resilient.events import read_events
 from resilient.sdc.api import SdcConfig
@@ -89,6 +91,28 @@ def test_autocast_and_repeated_uses_are_checked_as_computed():
         sus = mon._compute_checks(step, judge=True)
         model.zero_grad(set_to_none=True)
         assert sus == [], sus
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 31 - 1), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       m=st.integers(1, 64), k=st.integers(1, 96), n=st.integers(1, 96), bias=st.booleans(),
+       magnitude=st.sampled_from([1e-4, 1.0, 30.0]))
+def test_clean_gemms_never_alarm(seed, dtype, m, k, n, bias, magnitude):
+    """The no-false-positive sweep of the bound: any shape, dtype, scale and seed, every GEMM
+    of two stacked Linears (forward, grad-input, grad-weight) passes clean."""
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias), torch.nn.GELU(), torch.nn.Linear(n, 7, bias=bias))
+    with torch.no_grad():
+        for p_ in model.parameters():
+            p_.copy_(torch.randn(p_.shape, generator=gen) * magnitude)
+    model = model.to(dtype)
+    mon = SdcMonitor(SdcConfig(abft_every=1, activation_every=0))
+    mon.watch_compute(model)
+    mon.note_restored(0, model)
+    x = (torch.randn(m, k, generator=gen) * magnitude).to(dtype).requires_grad_()
+    sus = _step(mon, model, x, 1)
+    mon.close()
+    assert [s for s in sus if not s.harmless] == [], sus
 
 
 # ---- through the public API: resilient's GPT in a user's loop, one process ---------------

@@ -20,8 +20,11 @@ def test_3d_matches_single_process(corpus, tmp_path):
     three_d = tmp_path / "3d"
     run_launch(DEMO, three_d, tiny_overrides(corpus, steps, **{
         "parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2, "parallel.microbatches": 4,
-        "snapshot.every": 2, "snapshot.durable_every": 5}), nproc=8)  # snapshots: +0.7 s
+        "snapshot.every": 2, "snapshot.durable_every": 5,
+        # the compute checks on a clean 3D run (tp shards, pipeline stages, FSDP2): no false alarm
+        "sdc.abft_every": 1, "sdc.activation_every": 1}), nproc=8)  # snapshots: +0.7 s
     assert events(three_d, "upload_error") == []
+    assert events(three_d, "sdc_suspect") == []
     committed = {(e["tier"], e["step"]) for e in events(three_d, "commit")}
     assert ("durable", steps) in committed and any(tier == "local" for tier, _ in committed), committed
     ref, got = losses(single), losses(three_d)
@@ -55,7 +58,8 @@ def test_dp_size_changes_micro_batching_not_samples(corpus, tmp_path):
 
 def test_interleaved_pipeline_with_zero2(corpus, tmp_path):
     """Interleaved 1F1B (2 virtual stages per rank) with ZeRO-2 and
-    activation checkpointing matches the single process too."""
+    activation checkpointing matches the single process too, with the compute checks on
+    (the issue-29 sweep over layouts: each once failed here, at the schedule's first step)."""
     steps = 3
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "il"
     common = {"parallel.microbatches": 4}
@@ -63,7 +67,8 @@ def test_interleaved_pipeline_with_zero2(corpus, tmp_path):
     run_launch(DEMO, run_dir, tiny_overrides(corpus, steps, **common, **{
         "parallel.pp": 2, "parallel.dp": 2, "parallel.stages_per_rank": 2,
         "parallel.pp_schedule": "interleaved-1f1b", "parallel.zero": 2,
-        "parallel.activation_checkpoint": True}), nproc=4)
+        "parallel.activation_checkpoint": True, "sdc.abft_every": 1, "sdc.activation_every": 1}), nproc=4)
+    assert events(run_dir, "sdc_suspect") == []   # compute checks under recomputation and virtual stages
     ref, got = losses(ref_dir), losses(run_dir)
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step

@@ -55,13 +55,15 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
 
-from resilient.agent.api import NODE_ID_ENV, NOT_DURABLE_EXIT, RUN_DIR_ENV, AgentError, AgentSettings, FailureKind
+from resilient.agent.api import (NODE_ID_ENV, NOT_DURABLE_EXIT, PEER_LEFT_EXIT, RUN_DIR_ENV, AgentError, AgentSettings,
+                                 FailureKind)
 from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
 from resilient.agent.membership import NodeRegistry
 from resilient.agent.pool import WarmPool, WorkerProcess
 from resilient.agent.quarantine import QUARANTINE_EXIT, Quarantine
 from resilient.etcd.compactor import HistoryCompactor
 from resilient.events import EventLog, read_events
+from resilient.observe.metrics import AgentMetrics, QuarantineCount
 from resilient.procs import OWNER, ignore_stop_signals, owner_record, reclaim_dirs
 from resilient.etcd import EtcdError
 from resilient.rendezvous.api import RendezvousRoundLost, RendezvousUnavailable
@@ -148,6 +150,17 @@ class ResilientAgent(SimpleElasticAgent):
                 self.pool.close()
                 shutil.rmtree(self._tmp, ignore_errors=True)
                 raise
+        # Prometheus metrics from this node's events (resilient.observe.metrics), served from the
+        # start of run(): they live here, so they outlive every worker restart.
+        self.metrics = None
+        if settings.metrics_port is not None:
+            self.metrics = AgentMetrics(Path(settings.run_dir) / "events.jsonl", settings.node_id, settings.run_id,
+                                        quarantined=QuarantineCount(settings.etcd_factory, settings.run_id, events)
+                                        if settings.etcd_factory is not None else None)
+            # The rendezvous' client sits in torch's handler (its private _store: our Etcd3Store).
+            self.metrics.watch_etcd([registry.client if registry is not None else None,
+                                     self.store.client if self.store is not None else None,
+                                     getattr(getattr(spec.rdzv_handler, "_store", None), "client", None)])
         if registry is not None:
             info = {"store": self.store.server.address} if self.store is not None else {}
             if hasattr(spec.rdzv_handler, "node_desc"):
@@ -173,6 +186,11 @@ class ResilientAgent(SimpleElasticAgent):
         # then admits it (one ~2 s restart). Without spares the cold processes at
         # least import while the rendezvous runs.
         try:
+            if self.metrics is not None:
+                address = self.metrics.serve(self.settings.metrics_port)
+                self.events.emit("metrics", address=address)
+                if self.registry is not None:  # where `resilient status` and service discovery find it
+                    self.registry.update(metrics=address)
             self.pool.fill(self.settings.nproc_per_node)
             if not self.pool.wait_ready(self.settings.startup_timeout):
                 log.warning("the warm worker template is not ready after %s; joining anyway",
@@ -359,8 +377,18 @@ class ResilientAgent(SimpleElasticAgent):
             code = wp.poll()
             if code is not None and code != 0:
                 failures.update(self._failure(worker_group, local_rank, wp, code))
-                self.events.emit("failure", kind=FailureKind.EXIT.value, local_rank=local_rank,
-                                 pid=wp.pid, exitcode=code)
+                if code != PEER_LEFT_EXIT:
+                    self.events.emit("failure", kind=FailureKind.EXIT.value, local_rank=local_rank,
+                                     pid=wp.pid, exitcode=code)
+        if failures and all(f.exitcode == PEER_LEFT_EXIT for f in failures.values()):
+            # Another node was preempted; every rank stopped after the same step and saved it.
+            # Once this node's workers are all out (the others may still be saving), re-form
+            # without the leaver: not a failure, no restart counted.
+            if any(wp.poll() is None for wp in self.procs.values()):
+                return RunResult(state=WorkerState.HEALTHY)
+            self.events.emit("membership", reason="peer_preempted", nodes_before=sorted(self.round_nodes))
+            self._restart_workers(worker_group)
+            return RunResult(state=WorkerState.HEALTHY)
         if failures:
             self._count_startup_failures(failures)
             self._quarantine_if_asked(failures)
@@ -482,6 +510,8 @@ class ResilientAgent(SimpleElasticAgent):
             # run() ends here on success and on every error: say which, not "finished" for all.
             reason = self.stop_reason or "error: the agent loop ended without a result"
         self.events.emit("agent_stop", reason=reason)
+        if self.metrics is not None:
+            self.metrics.close()
 
     def _exit_barrier(self) -> None:
         """torch's exit barrier (every agent waits for the others' workers to finish), without

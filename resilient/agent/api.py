@@ -25,6 +25,11 @@ class AgentError(ResilientError):
 # stops and the launcher fails the run with the worker's error.
 NOT_DURABLE_EXIT = 76
 
+# A worker's exit code for "another node was told to stop (a preemption), and every rank
+# stopped after the same step and saved it": this node is not going away, so its agent
+# re-forms the job without the leaver and goes on, as on a lost node (no restart counted).
+PEER_LEFT_EXIT = 77
+
 
 class NodeIdInUse(AgentError):
     """Another live agent of this run already holds this node id."""
@@ -82,6 +87,7 @@ class AgentSettings:
     # neither kills it as hung at startup_timeout nor counts its exit as a startup failure.
     worker_heartbeats: bool = True
     runtime_config: str = ""            # RuntimeConfig JSON for the workers (RESILIENT_RUNTIME_CONFIG)
+    metrics_port: int | None = None     # Prometheus /metrics (resilient.observe.metrics): 0 = a free port, None = off
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

@@ -138,8 +138,8 @@ def main(argv: list[str]) -> int:
         args.run_id = args.run_id or default_run_id(Path(args.run_dir))
     if not args.rdzv_endpoint or not args.run_id:
         ap.error("give --rdzv-endpoint and --run-id, or --run-dir of a single-machine job whose agents are running")
-    secret = _cli_secret(args) if args.action == "list" else None
-    with _cli_client(args, secret) as client:
+    secret = cli_secret(args) if args.action == "list" else None
+    with cli_client(args, secret) as client:
         q = Quarantine(client, args.run_id, secret)
         if args.action == "list":
             good, forged = q.scan()
@@ -157,14 +157,14 @@ def main(argv: list[str]) -> int:
         return 0
 
 
-def _cli_secret(args: argparse.Namespace) -> JobSecret:
+def cli_secret(args: argparse.Namespace) -> JobSecret:
     found = resolve_secret(args.secret_file)
     if found is None and args.run_dir:
         found = resolve_secret(Path(args.run_dir) / RUN_DIR_SECRET)
     return found if found is not None else require_secret(what="`resilient quarantine`")
 
 
-def _cli_client(args: argparse.Namespace, secret: JobSecret | None) -> EtcdClient:
+def cli_client(args: argparse.Namespace, secret: JobSecret | None) -> EtcdClient:
     """An etcd client reaching the job's etcd as ``launch`` does (TLS, user and password), checked.
 
     Without a user in ``--rdzv-conf``, an etcd that demands a login is taken for the embedded etcd
@@ -194,7 +194,7 @@ def _cli_client(args: argparse.Namespace, secret: JobSecret | None) -> EtcdClien
         return connect(conf)
     except EtcdAuthError:
         pass  # the embedded etcd: log in with the job secret
-    secret = secret if secret is not None else _cli_secret(args)
+    secret = secret if secret is not None else cli_secret(args)
     try:
         return connect({**conf, **embedded_etcd_conf(secret)})
     except EtcdAuthError as e:

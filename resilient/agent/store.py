@@ -66,6 +66,7 @@ class NodeStoreService:
             self.store, self.client, run_id, node, secret, self.live_nodes,
             ReplicatorOptions(k=settings.replicas, keep=settings.keep, rate=settings.rate_bytes_s,
                               duty=settings.duty, max_stride=settings.max_stride), events)
+        self.replicator.serve(self.server)  # it collects its peers' holds when it leads a commit
         self._full_seen = 0.0        # the time of the last full-store warning already reported
         self._next_full_check = 0.0
         self.info = StoreInfo(base=str(settings.base), run_id=run_id, node=node, etcd=endpoint,

@@ -178,6 +178,9 @@ class EtcdClient:
         self._auth_lock = threading.Lock()
         self._leases: list[Lease] = []
         self._closed = False
+        # Called as on_request(gateway path, seconds) after each HTTP request, failed ones
+        # too: the agent's metrics time etcd with it (resilient.observe.metrics).
+        self.on_request: Callable[[str, float], None] | None = None
 
     # ------------------------------------------------------------ transport
     def _set_token(self, token: str | None) -> None:
@@ -268,7 +271,16 @@ class EtcdClient:
 
     def _post(self, path: str, body: dict[str, Any], what: str,
               retry_timeout: timedelta | None = None) -> dict[str, Any]:
-        return self._call(what, lambda gw: gw.post(path, body), retry_timeout)
+        return self._call(what, lambda gw: self._timed_post(gw, path, body), retry_timeout)
+
+    def _timed_post(self, gw: Gateway, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self.on_request is None:
+            return gw.post(path, body)
+        start = time.monotonic()
+        try:
+            return gw.post(path, body)
+        finally:
+            self.on_request(path, time.monotonic() - start)
 
     # ------------------------------------------------------------ health
     def check(self, timeout: timedelta = timedelta(seconds=5)) -> None:

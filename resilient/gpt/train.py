@@ -156,7 +156,8 @@ class Trainer:
         t0 = time.perf_counter()
         cfg = self.cfg.train
         self.optimizer.set_lr(lr_at(step, cfg))
-        inputs, targets = self._batch(step)
+        with self.job.phase("data"):   # the fail-slow checks tell a slow loader from a slow device
+            inputs, targets = self._batch(step)
         local_loss = self.model.forward_backward(inputs, targets)
         # The checks run after backward, before clipping (which would rescale what the linear
         # check compares); a suspect step is recomputed on the same batch.

@@ -47,10 +47,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient.agent.api import NOT_DURABLE_EXIT
+from resilient.agent.api import NODE_ID_ENV, NOT_DURABLE_EXIT, PEER_LEFT_EXIT
 from resilient.agent.heartbeat import HeartbeatWriter
 from resilient.agent.quarantine import QUARANTINE_EXIT
 from resilient.events import EventLog
+from resilient.failslow.monitor import FailSlowMonitor
 from resilient.job.api import (
     HOOKS_ENV, NODE_ENV, RUN_DIR_ENV, JobError, NotUnderAgent, is_stateful, rank_state_dicts, restore_rank_state,
 )
@@ -129,6 +130,20 @@ def param_digest(named_parameters) -> str:
         h.update(name.encode())
         h.update(_local(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def committed_text(step: int, tiers: dict[str, int], snap) -> str:
+    """The progress line's "committed" field: the newest step per tier, each marked
+    ``(stale)`` when it lags the step by more than two of its intervals plus one (commits
+    are asynchronous: one interval behind is normal), e.g. a node store that filled up
+    or a durable store that cannot keep up: training goes on, with that tier behind."""
+    every = {"local": snap.every, "peer": snap.every * max(1, snap.replicate_max_stride), "durable": snap.durable_every}
+    out = []
+    for t in ("local", "peer", "durable"):
+        if t in tiers:
+            stale = every[t] > 0 and step - tiers[t] > 2 * every[t] + 1
+            out.append(f"{t} {tiers[t]}" + (" (stale)" if stale else ""))
+    return " ".join(out) or "none yet"
 
 
 class Job:
@@ -216,7 +231,8 @@ class Job:
         self.step = 0              # completed steps; the next one to run is self.step
         self.restored: Restored | None = None
         self.resharded = False     # the restored version was written by another layout
-        self.stop_requested = False
+        self.stop_requested = False   # this rank or another was told to stop (they agree: _stop_agreed)
+        self.signalled = False        # this process was (a SIGTERM reached it)
         self.loss: float | None = None
         self.last_local_loss: Any = None
         self._fields: dict[str, Any] = {}
@@ -232,7 +248,10 @@ class Job:
         # backend): the signal reaches each worker at its own point of a step, and a rank that
         # stopped a step earlier than the others would leave them in a collective.
         self._stop_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
-        self._stop_flag = torch.zeros(1, dtype=torch.int32)
+        # ... and the per-rank step timings of the fail-slow checks ride on that all-reduce
+        self.failslow = FailSlowMonitor(self.config.failslow, group=self._stop_group, rank=self.rank,
+                                        world=self.world_size, node=self.events.node, events=self.events,
+                                        device=self.device)
         self.hooks = self._load_hooks()
 
     # ---------------------------------------------------------------- set-up
@@ -258,7 +277,7 @@ class Job:
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
-        self.stop_requested = True
+        self.stop_requested = self.signalled = True
 
     def _load_hooks(self) -> list:
         """The public extension point for worker-side tools (the chaos harness): each
@@ -363,6 +382,7 @@ class Job:
         docstring). At the end: a final durable snapshot (:meth:`finish`). ``total``: the
         run's length, when this launch stops earlier (for the progress line)."""
         self.restore()
+        self.failslow.total_steps = total or until
         if self.progress:
             self.progress.total = total or until
         self._run_start(total or until)
@@ -388,11 +408,17 @@ class Job:
         rank ends after the same step."""
         if self._stop_group is None:
             return self.stop_requested
-        self._stop_flag.fill_(int(self.stop_requested))
-        dist.all_reduce(self._stop_flag, op=dist.ReduceOp.MAX, group=self._stop_group)
-        if self._stop_flag.item():   # never cleared here: a signal during the exchange counts next time
+        agreed = self.failslow.exchange(self.stop_requested, self.step)
+        if agreed:   # never cleared here: a signal during the exchange counts next time
             self.stop_requested = True
-        return bool(self._stop_flag.item())
+        return agreed
+
+    def phase(self, name: str):
+        """``with job.phase("data"):`` around what the step spends loading data (or ``"wait"``
+        around waits the runtime cannot see, e.g. DDP's C++ reducer or a device-side NCCL
+        wait): the fail-slow checks tell a slow device from a slow link and a slow loader by
+        where the step's time went. Collectives are timed without it."""
+        return self.failslow.phase(name)
 
     def _run_start(self, total: int) -> None:
         self.events.emit("run_start", layout=self.layout, start_step=self.step, total_steps=total,
@@ -446,12 +472,11 @@ class Job:
             loss = self.guard.monitor.loss_mean   # the checks' exchange already averaged it over ranks
         fields = {"seconds": seconds, **self._fields}
         self.events.emit("step", step=step, loss=loss, **fields)
-        self.keeper.after_step(step, self._rank_extra, lambda: self._global_extra(step))
+        with self.failslow.phase("snapshot"):
+            self.keeper.after_step(step, self._rank_extra, lambda: self._global_extra(step))
         if self.progress:
             if self.progress.due(step):
-                tiers = self.keeper.committed()
-                self.progress.set("committed", " ".join(f"{t} {tiers[t]}" for t in ("local", "peer", "durable")
-                                                        if t in tiers) or "none yet")
+                self.progress.set("committed", committed_text(step, self.keeper.committed(), self.config.snapshot))
             self.progress.update(step, loss if loss is not None else float("nan"), fields.get("tokens_per_s"),
                                  fields.get("mfu"), seconds=fields["seconds"])
         self._t_step = time.perf_counter()
@@ -506,6 +531,11 @@ class Job:
             except StorageError as e:
                 self.events.emit("worker_error", error=f"{type(e).__name__}: {e}", traceback="")
                 raise SystemExit(NOT_DURABLE_EXIT) from e
+        if self.stop_requested and not self.signalled and os.environ.get(NODE_ID_ENV):
+            # Stopped for another node's preemption: saved with it; this node stays, and its
+            # agent re-forms the job without the leaver (PEER_LEFT_EXIT: not a failure).
+            self.events.emit("run_end", step=self.step, preempted=True, peer_left=True)
+            raise SystemExit(PEER_LEFT_EXIT)
         if self.stop_requested:
             self.events.emit("run_end", step=self.step, preempted=True)
             if self.rank == 0:   # what the preemption did, in one line of ours
@@ -524,6 +554,7 @@ class Job:
             self.finish()
         for hook in self.hooks:
             hook.close()
+        self.failslow.close()
         with self.heartbeat.while_waiting():
             self.keeper.close(failed)
             self.guard.close()

@@ -30,6 +30,7 @@ clean instead of inheriting a dead job's membership.
 
 from __future__ import annotations
 
+import random
 import time
 from datetime import timedelta
 from typing import Callable, TypeVar
@@ -51,6 +52,7 @@ __all__ = ["Etcd3RendezvousBackend", "Etcd3Store", "DEFAULT_KEY_PREFIX"]
 
 DEFAULT_KEY_PREFIX = "/resilient/rdzv"
 _T = TypeVar("_T")
+_sleep = time.sleep  # the backoff's wait (a name of its own: tests watch it without touching time.sleep)
 
 
 def _translate(what: str, fn: Callable[[], _T], lease: LivenessLease | None = None) -> _T:
@@ -87,6 +89,10 @@ class Etcd3RendezvousBackend(RendezvousBackend):
     """
 
     PURPOSE = RDZV_STATE
+    # Jittered backoff after a lost compare-and-swap (see _back_off).
+    backoff_base: timedelta = timedelta(milliseconds=10)
+    backoff_cap: timedelta = timedelta(seconds=2)
+    _losses: int = 0
 
     def __init__(
         self,
@@ -152,7 +158,30 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         if got is None:
             return None
         value, token_now, won = got
-        return (state if won else self._open(value)), token_now, won
+        if won:
+            self._losses = 0
+            return state, token_now, True
+        self._back_off()
+        # The winner's state this txn carried is stale after the wait: read the current one
+        # (a lost race answers with the newest state, as torch expects).
+        current = self.get_state()
+        return None if current is None else (*current, False)
+
+    def _back_off(self) -> None:
+        """Wait a jittered, growing while after a lost compare-and-swap, before torch's handler
+        retries.
+
+        Why: torch's handler retries a lost write at once. With N nodes joining together
+        every retry races the N-1 others and one wins, so the losers' txns, each carrying
+        the whole O(N) state back, swamp etcd: measured with 128 simulated nodes
+        (bench/scale.py), ~575 txns/s of which 10/s won, and no round within minutes.
+        Full jitter over a window that doubles per consecutive loss (capped) spreads the
+        retries out so that the winners' rate is what etcd can fsync; the state is read
+        afresh after the wait, so the retry is against the newest revision."""
+        self._losses = min(self._losses + 1, 16)
+        window = min(self.backoff_cap.total_seconds(),
+                     self.backoff_base.total_seconds() * (2 ** (self._losses - 1)))
+        _sleep(random.uniform(0.0, window))
 
 
 class Etcd3Store(dist.Store):

@@ -28,7 +28,8 @@ later pass's weight gradient.
 The rounding bound of a row (Higham, any summation order): each output element
 of an inner product of length ``n`` accumulated with unit roundoff ``u_acc`` is
 within ``γ_n(u_acc)·Σ|a||b|`` of the exact value, plus ``u_out·|y|`` for the
-final rounding to the output dtype; summed over the row's elements, and the
+final rounding to the output dtype, plus the absolute error of rounding below
+the normal range (:func:`underflow`); summed over the row's elements, and the
 float64 arithmetic of the check adds ``γ_{n+w+2}(2⁻⁵³)`` of the same
 magnitudes. ``Σ|a||b|`` over a row is one more matrix-vector product of the
 absolute values. ``u_acc`` follows how torch computes the GEMM: half types
@@ -87,6 +88,16 @@ def rounding_coefficients(dtype: torch.dtype, inner: int, device: torch.device) 
         if dtype == torch.float32:
             coef += 2 * _MATMUL_INPUT_U.get(torch.get_float32_matmul_precision(), 2.0 ** -8)
     return coef, u_out
+
+
+def underflow(dtype: torch.dtype, inner: int) -> float:
+    """Absolute rounding error of one output element below the normal range, where the
+    relative model (``u·|y|``) fails: half the smallest subnormal of the output dtype, plus
+    as much for each of the ``inner`` products in the accumulation dtype (a float16 output
+    of 1e-8 rounds to 0: off by all of it)."""
+    acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    eta = lambda t: 0.5 * torch.finfo(t).tiny * torch.finfo(t).eps   # noqa: E731
+    return eta(dtype) + inner * eta(acc)
 
 
 class _TapGrad(torch.autograd.Function):
@@ -178,7 +189,7 @@ class GemmCheck:
         out_amax = out_abs_t.amax() if out.numel() else torch.zeros((), dtype=out.dtype, device=out.device)
         coef, u_out = rounding_coefficients(dtype, inner, got.device)
         f64 = gamma(inner + width + 2, _U64)
-        bound = self.safety * ((coef + f64) * scale + (u_out + f64) * out_abs)
+        bound = self.safety * ((coef + f64) * scale + (u_out + f64) * out_abs + width * underflow(dtype, inner))
         diff = (got - expect).abs()
         judged = torch.isfinite(expect) & torch.isfinite(bound)   # non-finite inputs: the nonfinite checks' case
         ratio = torch.where(judged, diff / bound.clamp_min(torch.finfo(torch.float64).tiny),

@@ -10,23 +10,30 @@ version, or every 2nd, ... when versions cost more than ``duty`` of the time
 between them: :meth:`Replicator._budget`), and
 
 1. pushes the node's rank files (parts first, rank manifest last) to
-   ``k`` peers (:func:`~resilient.snapshot.peer.peer_order`: other failure
-   domains first), rate-limited;
-2. records "node N holds ranks R of step S on nodes [N, peers...]" under
-   ``/resilient/<run>/mem/holds/<S>/<N>`` and reads every node's record of S,
-   in one transaction;
-3. when the holds of all nodes cover every rank, commits the version at tier
-   ``local`` (``/resilient/<run>/commit/local/<S>``) and, when every rank is
-   held on ``1+k`` nodes, at tier ``peer`` (``.../commit/memory/<S>``), both
-   create-only in one transaction; the winner emits ``commit``. Before it commits,
-   the agent checks that the version's rank manifests tile every tensor exactly
-   once with one global shape (the check a restore and the durable committer
+   ``k`` peers (:mod:`.placement`: other failure domains first, the load balanced,
+   stable when a node leaves), rate-limited;
+2. gathers every node's holds ("node N holds ranks R of step S on nodes [N, peers...]")
+   and commits the version at tier ``local`` (``/resilient/<run>/commit/local/<S>``) and,
+   when every rank is held on ``1+k`` nodes, at tier ``peer`` (``.../commit/memory/<S>``),
+   both create-only in one transaction; the winner emits ``commit``. How the holds are
+   gathered is ``ReplicatorOptions.protocol``:
+
+   * ``leader`` (default; the agent's replicator serves its peer server,
+     :meth:`Replicator.serve`): each node reports them to the node holding rank 0 over the
+     peer channel, and that leader alone commits (:mod:`.leadcommit`): one etcd
+     transaction per version whatever the node count;
+   * ``etcd``: each node records them under ``/resilient/<run>/mem/holds/<S>/<N>`` and
+     reads every node's record of S in one transaction, and whoever sees every rank
+     covered commits: N + 1 writes per version and N² bytes read (bench/scale.py).
+
+   Before it commits, the agent checks that the version's rank manifests tile every tensor
+   exactly once with one global shape (the check a restore and the durable committer
    make, :func:`~resilient.snapshot.durable.merge_rank_manifests`): a version no
    restore could use is not committed (``upload_error``, ``phase = "commit"``, and
    one warning per worker group), and the run goes on with the durable tier.
 
-Two etcd writes per node and version, at most: on a host that trains, each
-one is CPU taken from training (etcd logs and fsyncs every write).
+Each etcd write is CPU taken from training on the host that makes it (etcd logs and fsyncs
+every write).
 
 A commit record is JSON ``{"step", "attempt", "world", "k", "holders":
 {"<rank>": [nodes]}}``: what restore needs to find every shard. It is written
@@ -56,12 +63,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+from resilient.errors import ConfigError
 from resilient.secret import COMMIT, HOLDS, JobSecret, Unauthentic, read_records, report_unauthentic
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete
 from resilient.snapshot.durable import merge_rank_manifests
 from resilient.snapshot.format import object_crcs, rank_manifest_boxes, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
-from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError, peer_order
+from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError
+from resilient.snapshot.leadcommit import LeaderCommit, leader_key, merge_holds  # noqa: F401 (leader_key: re-exported)
+from resilient.snapshot.placement import place, replica_order
 from resilient.snapshot.priority import REPLICATION_NICE, background_priority
 
 log = logging.getLogger(__name__)
@@ -107,9 +117,15 @@ class ReplicatorOptions:
     # The registry is read again after this, at every new worker group and after a failed
     # push: each read is etcd CPU on a host that trains (1 s: ~0.7 reads per demo step).
     nodes_ttl: timedelta = timedelta(seconds=10)
+    # "leader": holds go to the commit leader over the peer channel, one commit txn per version
+    # (needs the node's PeerServer: Replicator.serve); "etcd": every node records its holds
+    # in etcd (N + 1 writes per version, no leader). See the module docstring.
+    protocol: str = "leader"
+    # How long the leader waits for every node's holds of a version before giving it up.
+    gather_timeout: timedelta = timedelta(seconds=10)
 
 
-class Replicator:
+class Replicator(LeaderCommit):
     """See the module docstring. ``nodes()`` returns the live nodes' registry info
     (``{node: {"domain", "store", ...}}``) or None when etcd is unreachable."""
 
@@ -138,8 +154,21 @@ class Replicator:
         self._peer_committed = -1
         self._nodes_at = 0.0
         self._bell = Doorbell(store.path)
+        self._server = None                  # this node's PeerServer, once serve() attached it
+        self._reports: dict[tuple[int, str], dict[str, dict]] = {}  # (step, attempt) -> node -> holds
+        self._leaders: dict[str, tuple[str, str]] = {}  # attempt -> (leader node, its store address)
+        self._placement: dict[str, list[str]] = {}
+        self._placed_for: dict[str, str] | None = None
+        if opts.protocol not in ("leader", "etcd"):
+            raise ConfigError(f"snapshot commit protocol {opts.protocol!r}: use 'leader' or 'etcd'")
         self._thread = threading.Thread(target=self._run, name="snapshot-replicator", daemon=True)
         self._thread.start()
+
+    def serve(self, server) -> None:
+        """Collect the holds peers report to this node (when it leads a commit) through
+        ``server``, this node's :class:`~resilient.snapshot.peer.PeerServer`."""
+        self._server = server
+        server.on_holds = self._on_holds
 
     def set_workers(self, ranks: set[int], world: int) -> None:
         """The global ranks this node's workers now have (called at every worker start)."""
@@ -251,7 +280,7 @@ class Replicator:
         k = min(self.opts.k, len(others))
         if k > 0:
             t0, sent = time.monotonic(), 0
-            for peer in peer_order(self.node, {**others, self.node: nodes.get(self.node, {})}, len(others)):
+            for peer in self._targets({**others, self.node: nodes.get(self.node, {})}):
                 if sum(1 for n in holders[mine[0]] if n != self.node) >= k:
                     break
                 try:
@@ -266,8 +295,30 @@ class Replicator:
             self._emit("upload", step=v.step, bytes=sent, stored_bytes=sent, parts=len(mine),
                        seconds=round(time.monotonic() - t0, 4), tier="peer",
                        peers=sorted({n for h in holders.values() for n in h} - {self.node}))
-        merged = self._hold(v, holders, world)
-        self._commit(v, world, merged, {"local": 0, "memory": k}, parsed)
+        tiers = {"local": 0, "memory": k}
+        if self._server is None or self.opts.protocol == "etcd":
+            self._commit(v, world, self._hold(v, holders, world), tiers, parsed)
+            return
+        doc = {"node": self.node, "step": v.step, "attempt": v.attempt, "world": world,
+               "holders": {str(r): h for r, h in holders.items()},
+               "manifests": {str(r): self.store.read(f"{version_dir(v.step)}/{v.attempt}/r{r:05d}.json").decode()
+                             for r in mine}}
+        if self._leads(v.attempt):
+            merged, manifests = self._gather(v, doc, world)
+            if merged is not None:
+                self._commit(v, world, merged, tiers, manifests)
+        else:
+            self._report(v, doc)
+
+    def _targets(self, nodes: dict[str, dict]) -> list[str]:
+        """Where this node pushes, in order (:mod:`.placement`: its placed targets in other
+        domains, then fallbacks); the fleet's placement is recomputed only when the
+        membership changes, from the previous one, so a node leaving moves only its replicas."""
+        domains = {n: str(i.get("domain") or n) for n, i in nodes.items()}
+        if domains != self._placed_for:
+            self._placement = place(domains, self.opts.k, previous=self._placement)
+            self._placed_for = domains
+        return [n for n in replica_order(self.node, self._placement, domains) if n != self.node]
 
     def _live_nodes(self) -> dict[str, dict]:
         """The node registry, re-read at most every ``nodes_ttl`` (a version per step would
@@ -320,7 +371,6 @@ class Replicator:
         the merged ``{rank: [nodes]}`` of this version's attempt and world."""
         doc = {"attempt": v.attempt, "world": world, "holders": {str(r): h for r, h in holders.items()}}
         prefix = holds_prefix(self.run_id, v.step)
-        merged: dict[str, list[str]] = {}
         tiers = ("local", "memory")
         kvs, newest = self.client.put_and_get_prefix(
             prefix + self.node, self.secret.seal_record(HOLDS, prefix + self.node, doc), prefix,
@@ -329,16 +379,8 @@ class Replicator:
             for tier, kv in zip(tiers, newest):
                 if kv is not None and self._authentic(COMMIT, kv, "commit record") is not None:
                     self.committed[tier] = max(self.committed.get(tier, -1), int(kv.key[-12:]))
-        for kv in kvs:
-            got = self._authentic(HOLDS, kv, "holds record")
-            if got is None:
-                continue
-            if got.get("attempt") != v.attempt or got.get("world") != world:
-                continue
-            for r, h in got.get("holders", {}).items():
-                merged.setdefault(r, [])
-                merged[r] += [n for n in h if n not in merged[r]]
-        return merged
+        docs = [got for got in (self._authentic(HOLDS, kv, "holds record") for kv in kvs) if got is not None]
+        return merge_holds(docs, v.attempt, world)
 
     def _authentic(self, purpose: str, kv, what: str) -> dict | None:
         key = kv.key.decode(errors="replace")

@@ -59,6 +59,7 @@ from resilient.snapshot.priority import REPLICATION_NICE, background_priority
 log = logging.getLogger(__name__)
 
 MAX_HEADER = 64 << 10
+MAX_HOLDS = 64 << 20     # a holds report: a node's rank manifests, JSON
 # Bytes per send/receive call and rate-limit tick: 4 MiB pushes cost ~7% less CPU than
 # 1 MiB ones (bench/push_cost.py, 6 of 7 pairs side by side).
 PIECE = 4 << 20
@@ -239,6 +240,9 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def _serve(self, chan: _Channel, store: NodeStore, req: dict) -> None:
         op = req.get("op")
+        if op == "holds":  # a node reporting what it holds to this node, its commit leader
+            self._holds(chan, req)
+            return
         try:
             rel = check_rel(req.get("path"))
         except ValueError as e:
@@ -281,9 +285,25 @@ class _Handler(socketserver.BaseRequestHandler):
             chan.send({"ok": False, "error": f"unknown op {op!r}"})
 
 
+    def _holds(self, chan: _Channel, req: dict) -> None:
+        size = int(req.get("size", -1))
+        if not 0 <= size <= MAX_HOLDS:
+            raise ConnectionError(f"holds report of {size} bytes")  # the stream is unusable
+        doc = json.loads(chan.recv_payload(size))
+        handler = self.server.owner.on_holds
+        if handler is None or not isinstance(doc, dict):
+            chan.send({"ok": False, "error": "this node collects no holds"})
+            return
+        chan.send({"ok": True, **handler(doc)})
+
+
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: the commit leader meets every node's first report
+    # at once, and connections past the backlog hung in their handshake (measured with 64
+    # simulated nodes, bench/scale.py: "handshake failed (timed out)", versions uncommitted).
+    request_queue_size = 1024
     owner: "PeerServer"
 
 
@@ -294,6 +314,8 @@ class PeerServer:
                  advertise: str = "", io_timeout: timedelta = timedelta(seconds=30)):
         self.store, self.secret, self.io_timeout = store, JobSecret.of(secret), io_timeout
         self.closed = False
+        # Set by the node's replicator (memcommit): takes a peer's holds report, returns the reply.
+        self.on_holds: Callable[[dict], dict] | None = None
         self._srv = _Server((host, 0), _Handler)
         self._srv.owner = self
         self.port = self._srv.server_address[1]
@@ -435,6 +457,18 @@ class PeerClient:
                             self.address) from None
         except (OSError, ValueError, KeyError) as e:
             raise PeerError(f"peer {self.address}: get {rel} failed ({e})", self.address) from None
+
+    def report_holds(self, doc: dict) -> dict:
+        """Send this node's holds of a version to the peer that leads its commit; its reply."""
+        data = json.dumps(doc).encode()
+        try:
+            self.chan.send({"op": "holds", "size": len(data)}, data)
+            reply = self.chan.recv_header()
+        except (OSError, ValueError) as e:
+            raise PeerError(f"peer {self.address}: holds report failed ({e})", self.address) from None
+        if not reply.get("ok"):
+            raise PeerError(f"peer {self.address}: holds report refused: {reply.get('error')}", self.address)
+        return reply
 
     def close(self) -> None:
         try:

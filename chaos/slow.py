@@ -1,0 +1,129 @@
+"""Fail-slow injectors: make one rank or one host slow without stopping it.
+
+:class:`SlowProcess` slows its targets by a SIGSTOP/SIGCONT duty cycle: in
+every ``period`` the processes are stopped for ``period * (1 - 1/factor)``
+and run for the rest, so whatever they compute takes ``factor`` times as long
+(it works everywhere, unprivileged, on any CPU or GPU job: a stopped process
+launches no kernels either). ``kind`` says what it stands for:
+
+- ``slow-rank``: one worker (a throttled GPU, a thermally capped CPU);
+- ``slow-host``: every worker of one agent (a noisy neighbour, a power cap).
+
+A slow link is :class:`~chaos.netns.PacketLoss` at a low rate on one node's
+veth (TCP retransmits stretch every transfer through it) or the TCP proxy's
+bandwidth limit: existing injectors, new kinds in :mod:`chaos.scenario`.
+
+The effect is observed, not assumed: ``inject`` returns once the kernel shows
+every target stopped in the first cycle, and the record's detail ends with
+the duty cycle actually achieved (stopped share of the wall time, and the
+slowdown factor it amounts to), measured by the injector's own clock.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import psutil
+
+from .injectors import DEFAULT_SETTLE, InjectionFailed, Injector, PidSource, _procs_of, _signal_all
+
+
+class SlowProcess(Injector):
+    """Slow the target processes by ``factor`` (> 1) with a SIGSTOP/SIGCONT duty cycle
+    of ``period``; ``tree``: the target's descendants (a node's workers), not the target
+    itself (its agent keeps its lease and heartbeat checks running)."""
+
+    kind = "slow-rank"
+
+    def __init__(self, source: PidSource, *, factor: float, period: timedelta = timedelta(milliseconds=20),
+                 tree: bool = False, settle: timedelta = DEFAULT_SETTLE, **kw: Any) -> None:
+        super().__init__(**kw)
+        if not factor > 1.0:
+            raise InjectionFailed(f"slow-down factor {factor} must be > 1 (2.0 = everything takes twice as long)")
+        if period <= timedelta(0):
+            raise InjectionFailed(f"duty-cycle period {period} must be positive")
+        self.source, self.factor, self.period, self.tree, self.settle = source, factor, period, tree, settle
+        self.kind = "slow-host" if tree else "slow-rank"
+        self.procs: list[psutil.Process] = []
+        self.pids: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stopped_seconds = 0.0
+        self.started = 0.0
+
+    def _targets(self) -> list[psutil.Process]:
+        procs = _procs_of(self.source, self.tree)
+        return procs[1:] if self.tree and len(procs) > 1 else procs
+
+    def _all_stopped(self) -> bool:
+        for p in self.procs:
+            try:
+                if p.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+                    return False
+            except psutil.NoSuchProcess:
+                pass
+        return True
+
+    def _any_stopped(self) -> bool:
+        for p in self.procs:
+            try:
+                if p.status() == psutil.STATUS_STOPPED:
+                    return True
+            except psutil.NoSuchProcess:
+                pass
+        return False
+
+    def _inject(self) -> str:
+        self.procs = self._targets()
+        self.pids = [p.pid for p in self.procs]
+        # the first cycle by hand: its stop must be seen in the kernel's process state
+        _signal_all(self.procs, signal.SIGSTOP)
+        deadline = time.monotonic() + self.settle.total_seconds()
+        while not self._all_stopped():
+            if time.monotonic() > deadline:
+                _signal_all(self.procs, signal.SIGCONT)
+                raise InjectionFailed(f"SIGSTOP sent but pids {self.pids} not all stopped within {self.settle}")
+            time.sleep(0.001)
+        _signal_all(self.procs, signal.SIGCONT)
+        self.started = time.monotonic()
+        self._thread = threading.Thread(target=self._cycle, name=f"slow-{self.fault_id}", daemon=True)
+        self._thread.start()
+        return (f"SIGSTOP/SIGCONT duty cycle on pids {self.pids}: stopped {1 - 1 / self.factor:.0%} of every "
+                f"{self.period.total_seconds() * 1e3:.0f} ms (slow-down x{self.factor:g}); first stop observed")
+
+    def _cycle(self) -> None:
+        period = self.period.total_seconds()
+        off = period * (1.0 - 1.0 / self.factor)
+        nxt = time.monotonic()
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            _signal_all(self.procs, signal.SIGSTOP)
+            self._stop.wait(off)
+            _signal_all(self.procs, signal.SIGCONT)
+            self.stopped_seconds += time.monotonic() - t0
+            nxt += period
+            self._stop.wait(max(0.0, nxt - time.monotonic()))
+            nxt = max(nxt, time.monotonic() - period)   # after a late wake-up, do not try to catch up
+
+    @property
+    def achieved_factor(self) -> float:
+        """The slow-down the duty cycle achieved so far: wall / (wall - stopped)."""
+        wall = time.monotonic() - self.started if self.started else 0.0
+        return wall / max(1e-9, wall - self.stopped_seconds) if wall > 0 else 1.0
+
+    def _clear(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.settle.total_seconds())
+        _signal_all(self.procs, signal.SIGCONT)
+        deadline = time.monotonic() + self.settle.total_seconds()
+        while self._any_stopped():
+            if time.monotonic() > deadline:
+                raise InjectionFailed(f"SIGCONT sent but some of pids {self.pids} are still stopped")
+            time.sleep(0.005)
+        if self.record is not None:
+            self.record.detail += f"; achieved x{self.achieved_factor:.2f} over {time.monotonic() - self.started:.1f} s"

@@ -1,0 +1,180 @@
+"""The memory tiers' commit led by one node (resilient.snapshot.memcommit, protocol
+"leader"): every node reports its holds to the node holding rank 0 over the authenticated
+peer channel, and that leader writes one commit transaction per version, whatever the node
+count. Real etcd, real node stores, real peer servers, the replicators' own loops."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from resilient.etcd.testing import unique_run_id
+from resilient.events import EventLog, read_events
+from resilient.secret import COMMIT, HOLDS, JobSecret
+from resilient.snapshot.memcommit import Replicator, ReplicatorOptions, commit_key, leader_key
+from resilient.snapshot.nodestore import Doorbell, NodeStore
+from resilient.snapshot.peer import PeerServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from scale_node import write_rank  # noqa: E402  (the simulator's tiny rank: one row of a (world, 4) tensor)
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
+
+SECRET = JobSecret(b"L" * 48)
+GATHER = timedelta(seconds=1.5)
+
+
+@pytest.fixture
+def client(etcd):
+    with etcd.client(retry_timeout=timedelta(seconds=10)) as c:
+        yield c
+
+
+class Fleet:
+    """``names`` nodes, each a store, a peer server and a replicator serving its holds."""
+
+    def __init__(self, client, tmp_path: Path, names: list[str]):
+        self.client, self.run_id = client, unique_run_id()
+        self.stores, self.servers, self.reps, self.logs = {}, {}, {}, {}
+        self.registry: dict[str, dict] = {}
+        for n in names:
+            self.stores[n] = NodeStore(tmp_path / "shm", self.run_id, n)
+            self.stores[n].create()
+            self.servers[n] = PeerServer(self.stores[n], SECRET, host="127.0.0.1")
+            self.registry[n] = {"store": self.servers[n].address, "domain": n}
+        for n in names:
+            self.logs[n] = EventLog(tmp_path / f"events-{n}.jsonl", node=n)
+            self.reps[n] = Replicator(self.stores[n], client, self.run_id, n, SECRET, lambda: dict(self.registry),
+                                      ReplicatorOptions(k=1, gather_timeout=GATHER), self.logs[n])
+            self.reps[n].serve(self.servers[n])
+
+    def workers(self, ranks: dict[str, set[int]], world: int) -> None:
+        for n, r in ranks.items():
+            self.reps[n].set_workers(r, world)
+
+    def version(self, step: int, attempt: str, ranks: dict[str, set[int]], world: int) -> None:
+        """Each node of ``ranks`` writes its ranks of ``step`` (as workers do) and is waited for."""
+        for n, rs in ranks.items():
+            for r in rs:
+                write_rank(self.stores[n], step, attempt, r, world)
+            Doorbell.ring(self.reps[n]._bell.path)
+        for n in ranks:
+            assert self.reps[n].flush(timedelta(seconds=30)), f"{n} did not handle step {step}"
+
+    def kill(self, n: str) -> None:
+        """As a dead agent: its port refuses, its replicator stops."""
+        self.servers.pop(n).close()
+        self.reps.pop(n).close()
+        self.registry.pop(n)
+
+    def errors(self, n: str) -> list[dict]:
+        return [e for e in read_events(self.logs[n].path) if e["event"] == "upload_error" and e["phase"] == "commit"]
+
+    def commit(self, step: int) -> bool:
+        return self.client.get(commit_key(self.run_id, "memory", step)) is not None
+
+    def close(self) -> None:
+        for rep in self.reps.values():
+            rep.close()
+        for srv in self.servers.values():
+            srv.close()
+        for log in self.logs.values():
+            log.close()
+        for store in self.stores.values():
+            store.remove()
+
+
+@pytest.fixture
+def fleet(client, tmp_path):
+    made: list[Fleet] = []
+    yield lambda names: made.append(Fleet(client, tmp_path, names)) or made[-1]
+    for f in made:
+        f.close()
+
+
+def test_one_commit_txn_per_version_and_no_holds_in_etcd(fleet, client):
+    f = fleet(["a", "b", "c"])
+    ranks = {"a": {0}, "b": {1}, "c": {2}}
+    f.workers(ranks, 3)
+    f.version(1, "t0-000001", ranks, 3)  # the first one also announces the leader
+    assert f.commit(1)
+    before = client.revision()
+    for step in (2, 3, 4):
+        f.version(step, "t0-000001", ranks, 3)
+        assert f.commit(step)
+    # etcd's revision moves once per write txn: one per version, at any node count
+    assert client.revision() - before == 3
+    assert client.get_prefix(f"/resilient/{f.run_id}/mem/holds/") == []
+    rec = SECRET.open_record(HOLDS, leader_key(f.run_id, "t0-000001"),
+                             client.get(leader_key(f.run_id, "t0-000001")).value)
+    assert rec["node"] == "a"
+    # the others learned the commits from the leader's replies (one version behind)
+    assert f.reps["b"].committed["memory"] >= 3 and f.reps["c"].committed["memory"] >= 3
+
+
+def test_a_node_that_never_reports_leaves_the_version_uncommitted(fleet):
+    f = fleet(["a", "b", "c"])
+    ranks = {"a": {0}, "b": {1}, "c": {2}}
+    f.workers(ranks, 3)
+    f.version(1, "t0-000001", {"a": {0}, "b": {1}}, 3)  # c's rank never lands: c never reports
+    assert not f.commit(1)
+    (err,) = f.errors("a")
+    assert err["step"] == 1 and "[2]" in err["error"] and "not reported" in err["error"]
+    f.version(2, "t0-000001", ranks, 3)  # all report again: the run commits again
+    assert f.commit(2)
+
+
+def test_leader_lost_mid_commit_then_the_next_group_commits(fleet):
+    f = fleet(["a", "b", "c"])
+    ranks = {"a": {0}, "b": {1}, "c": {2}}
+    f.workers(ranks, 3)
+    f.version(1, "t0-000001", ranks, 3)
+    assert f.commit(1)
+    # step 2: b and c report, a gathers (c's report is what it still waits for)... and dies
+    for n in ("a", "b"):
+        write_rank(f.stores[n], 2, "t0-000001", min(ranks[n]), 3)
+        Doorbell.ring(f.reps[n]._bell.path)
+    assert f.reps["b"].flush(timedelta(seconds=30))
+    f.kill("a")
+    write_rank(f.stores["c"], 2, "t0-000001", 2, 3)
+    Doorbell.ring(f.reps["c"]._bell.path)
+    assert f.reps["c"].flush(timedelta(seconds=30))
+    assert not f.commit(2)
+    assert any("refuse" in e["error"].lower() or "failed" in e["error"] for e in f.errors("c"))
+    # the re-formed group: b holds rank 0 now and leads the new attempt
+    new = {"b": {0}, "c": {1}}
+    f.workers(new, 2)
+    f.version(3, "t1-000002", new, 2)
+    assert f.commit(3) and not f.commit(2)
+
+
+def test_two_leaders_racing_for_one_attempt_one_leads_one_commit(fleet, client):
+    """Two nodes both hold rank 0 (an old group's and a new one's): their claims race, one
+    leads, the other reports to it; each version is committed exactly once."""
+    f = fleet(["a", "b", "c"])
+    ranks = {"a": {0}, "b": {0}, "c": {1}}
+    f.workers(ranks, 2)
+    won: dict[str, bool] = {}
+    go = threading.Barrier(2)
+
+    def claim(n: str) -> None:
+        go.wait()
+        won[n] = f.reps[n]._leads("t0-000001")
+
+    threads = [threading.Thread(target=claim, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(won.values()) == [False, True]
+    leader = next(n for n, w in won.items() if w)
+    f.version(1, "t0-000001", ranks, 2)
+    assert f.commit(1)
+    rec = SECRET.open_record(COMMIT, commit_key(f.run_id, "memory", 1),
+                             client.get(commit_key(f.run_id, "memory", 1)).value)
+    assert set(rec["holders"]["0"]) >= {"a", "b"} and rec["holders"]["1"][0] == "c"
+    assert not f.errors(leader) and not f.errors("c")
