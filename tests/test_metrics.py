@@ -280,7 +280,14 @@ def test_prometheus_scrapes_a_running_two_node_job(corpus, tmp_path, etcd):
             return float(got[0]["value"][1]) if got else None
 
         first = wait_for(lambda: (v := newest_committed()) is not None and (v,), 90, "a committed step")[0]
-        wait_for(lambda: (newest_committed() or -1) > first, 60, "the committed step to move")
+        try:
+            wait_for(lambda: (newest_committed() or -1) > first, 90, "the committed step to move")
+        except AssertionError as e:   # say what the job did meanwhile (a stall, a re-form, no commits)
+            seen = [(round(ev["time"] % 1000, 1), ev["node"], ev["event"], ev.get("step", ev.get("kind", "")))
+                    for ev in events(run) if ev["event"] in ("commit", "failure", "rendezvous", "workers_started",
+                                                             "heartbeat_timeout", "agent_stop")][-25:]
+            raise AssertionError(f"{e}; Prometheus had {first}; the job's last events: {seen}; "
+                                 f"agent b: {agents[1].output()[-1500:]}") from None
 
         members = {r["metric"]["instance"]: float(r["value"][1]) for r in prom.query("resilient_rendezvous_members")}
         assert members == {found["a"]: 2.0, found["b"]: 2.0}

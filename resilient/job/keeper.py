@@ -136,6 +136,7 @@ class StateKeeper:
                                  self.durable.opts.threads * 2)
         secret = self.store.secret() if self.store is not None else None
         candidates, readers = tiered_candidates(self.store, durable, self.events, secret)
+        on_durable = {c[0] for c in candidates if c[2] == "durable"}   # the same set on every rank
         try:
             if max_step is not None:
                 candidates = [c for c in candidates if c[0] <= max_step]
@@ -161,7 +162,8 @@ class StateKeeper:
         # The restored version exists already: saving it again at the end (a run restored at
         # its last step) would only write a second attempt of the same state.
         self.last_saved = restored.step
-        if not restored.url.startswith("memory://"):
+        if not restored.url.startswith("memory://") or restored.step in on_durable:
+            # durable already (a preemption's final save, say): catch_up must not write it again
             self.durable_step = restored.step
         return restored
 

@@ -304,12 +304,13 @@ class Committer:
                 raise OSError(f"{path}: manifest read back differs from what was written")
 
         with_retry(put_and_check, path, self.opts.retry)
+        # the event first: whoever wait()s for this commit then finds it in the log too
+        emit(self.events, "commit", tier="durable", step=step, url=f"{self.url.rstrip('/')}/{version_dir(step)}",
+             world=self.world, tensors=len(m.tensors), bytes=m.nbytes, seconds=round(time.monotonic() - t0, 4))
         with self._cond:
             self.committed = step if self.committed is None else max(self.committed, step)
             self._pending.pop(step, None)
             self._cond.notify_all()
-        emit(self.events, "commit", tier="durable", step=step, url=f"{self.url.rstrip('/')}/{version_dir(step)}",
-             world=self.world, tensors=len(m.tensors), bytes=m.nbytes, seconds=round(time.monotonic() - t0, 4))
         with self._cond:
             protect = set(self._pending)
         try:
