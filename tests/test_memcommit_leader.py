@@ -49,7 +49,7 @@ class Fleet:
         for n in names:
             self.logs[n] = EventLog(tmp_path / f"events-{n}.jsonl", node=n)
             self.reps[n] = Replicator(self.stores[n], client, self.run_id, n, SECRET, lambda: dict(self.registry),
-                                      ReplicatorOptions(k=1, gather_timeout=GATHER), self.logs[n])
+                                      ReplicatorOptions(k=1, gather_timeout=GATHER, protocol="leader"), self.logs[n])
             self.reps[n].serve(self.servers[n])
 
     def workers(self, ranks: dict[str, set[int]], world: int) -> None:

@@ -18,13 +18,14 @@ between them: :meth:`Replicator._budget`), and
    both create-only in one transaction; the winner emits ``commit``. How the holds are
    gathered is ``ReplicatorOptions.protocol``:
 
-   * ``leader`` (default; the agent's replicator serves its peer server,
+   * ``etcd`` (default): each node records them under ``/resilient/<run>/mem/holds/<S>/<N>``
+     and reads every node's record of S in one transaction, and whoever sees every rank
+     covered commits: N + 1 writes per version and N² bytes read (bench/scale.py);
+   * ``leader`` (opt in; the replicator must serve its peer server,
      :meth:`Replicator.serve`): each node reports them to the node holding rank 0 over the
      peer channel, and that leader alone commits (:mod:`.leadcommit`): one etcd
-     transaction per version whatever the node count;
-   * ``etcd``: each node records them under ``/resilient/<run>/mem/holds/<S>/<N>`` and
-     reads every node's record of S in one transaction, and whoever sees every rank
-     covered commits: N + 1 writes per version and N² bytes read (bench/scale.py).
+     transaction per version whatever the node count. Not yet the default: see
+     ``ReplicatorOptions.protocol``.
 
    Before it commits, the agent checks that the version's rank manifests tile every tensor
    exactly once with one global shape (the check a restore and the durable committer
@@ -117,10 +118,13 @@ class ReplicatorOptions:
     # The registry is read again after this, at every new worker group and after a failed
     # push: each read is etcd CPU on a host that trains (1 s: ~0.7 reads per demo step).
     nodes_ttl: timedelta = timedelta(seconds=10)
-    # "leader": holds go to the commit leader over the peer channel, one commit txn per version
-    # (needs the node's PeerServer: Replicator.serve); "etcd": every node records its holds
-    # in etcd (N + 1 writes per version, no leader). See the module docstring.
-    protocol: str = "leader"
+    # "etcd" (default): every node records its holds in etcd (N + 1 writes per version, no
+    # leader); "leader": holds go to the commit leader over the peer channel, one commit txn per
+    # version (needs the node's PeerServer: Replicator.serve). Not the default yet: each node's
+    # replicator skips to its own newest version, so under load the nodes' reports can miss
+    # each other's versions and the leader commits none (seen in CI: the local tier stuck for
+    # 90 s while training went on); it needs the nodes to follow the leader's choice first.
+    protocol: str = "etcd"
     # How long the leader waits for every node's holds of a version before giving it up.
     gather_timeout: timedelta = timedelta(seconds=10)
 
