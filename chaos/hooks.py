@@ -118,14 +118,14 @@ class WorkerHooks:
         """Build the FlipSpec and queue it; the acknowledgement is emitted by
         the injector's log when the bit flips (``deferred_ack``). Raising
         here acknowledges the request as failed."""
-        from resilient.sdc.inject import HOOKED, FlipSpec
+        from resilient.sdc.inject import HOOKED, MODULE_TARGETS, FlipSpec
 
         rid = str(req.get("id"))
         p = {k: v for k, v in req.get("params", {}).items() if k in FlipSpec.__dataclass_fields__}
         names = [n for n, _ in self.model.named_parameters()]
         if not p.get("tensor"):
             p["tensor"] = names[0]
-        if p.get("target") not in ("activation", "activation_grad") and p["tensor"] not in names:
+        if p.get("target") not in MODULE_TARGETS and p["tensor"] not in names:
             raise KeyError(f"no parameter {p['tensor']!r} on rank {self.rank}; e.g. {names[:4]}")
         p["step"], p["rank"] = self.step_of() + 1, self.rank
         spec = FlipSpec.from_dict(p)

@@ -29,7 +29,7 @@ from torch import nn
 
 from resilient.events import EventLog
 from resilient.sdc.api import Action, Decision, SdcConfig, SdcError
-from resilient.sdc.inject import HOOKED, BitFlipInjector, FlipSpec
+from resilient.sdc.inject import HOOKED, MODULE_TARGETS, BitFlipInjector, FlipSpec
 from resilient.sdc.monitor import SdcMonitor
 
 
@@ -105,8 +105,8 @@ class SdcGuard:
         for flip in self.flips:   # forward/backward flips fire from hooks on the module or parameter they name
             flip.validate(self.modules, world)
             if flip.spec.target in HOOKED and flip.here():
-                names = (lambda m: dict(m.named_parameters())) if flip.spec.target == "weight_grad" else (
-                    lambda m: dict(m.named_modules()))
+                names = (lambda m: dict(m.named_modules())) if flip.spec.target in MODULE_TARGETS else (
+                    lambda m: dict(m.named_parameters()))
                 part = next((m for m in self.modules if flip.spec.tensor in names(m)), None)
                 if part is None:
                     raise SdcError(f"sdc.inject: nothing named {flip.spec.tensor!r} on rank {rank} for a "

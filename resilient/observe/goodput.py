@@ -110,8 +110,28 @@ class Completion:
         return self.end - self.start
 
 
+@dataclass(kw_only=True)
+class Cost:
+    """What training lost to something: detection, recovery and redone work (seconds)."""
+
+    detection_s: float = 0.0
+    recovery_s: float = 0.0
+    redone_s: float = 0.0
+    redone_steps: int = 0
+
+    @property
+    def cost_s(self) -> float:
+        return self.detection_s + self.recovery_s + self.redone_s
+
+    def add(self, other: "Cost") -> None:
+        self.detection_s += other.detection_s
+        self.recovery_s += other.recovery_s
+        self.redone_s += other.redone_s
+        self.redone_steps += other.redone_steps
+
+
 @dataclass
-class Incident:
+class Incident(Cost):
     """A stretch without training between two segments (or at the end), and what it cost."""
 
     cause: str
@@ -119,30 +139,14 @@ class Incident:
     detected_at: float | None    # the first detection event in it
     end: float                   # the first step's start after it (or the end of the log)
     finished: bool               # training made a step again
-    detection_s: float = 0.0
-    recovery_s: float = 0.0
-    redone_s: float = 0.0
-    redone_steps: int = 0
-
-    @property
-    def cost_s(self) -> float:
-        return self.detection_s + self.recovery_s + self.redone_s
 
 
 @dataclass
-class CauseCost:
+class CauseCost(Cost):
     """What one cause (a chaos fault kind or a failure kind) cost in all."""
 
     injected: int = 0       # chaos faults of this kind injected (0 for failure kinds)
     incidents: int = 0
-    detection_s: float = 0.0
-    recovery_s: float = 0.0
-    redone_s: float = 0.0
-    redone_steps: int = 0
-
-    @property
-    def cost_s(self) -> float:
-        return self.detection_s + self.recovery_s + self.redone_s
 
 
 @dataclass
@@ -444,10 +448,7 @@ def goodput(events: Iterable[dict], end: float | None = None) -> Goodput:
     for inc in g.incidents:
         c = g.by_cause.setdefault(inc.cause, CauseCost())
         c.incidents += 1
-        c.detection_s += inc.detection_s
-        c.recovery_s += inc.recovery_s
-        c.redone_s += inc.redone_s
-        c.redone_steps += inc.redone_steps
+        c.add(inc)
     g.spans = _merged(spans)
     return g
 

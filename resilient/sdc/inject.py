@@ -23,6 +23,7 @@ from resilient.sdc.checksums import bits_view, local
 TARGETS = ("grad", "param", "optim_state", "activation", "activation_grad", "weight_grad")
 # targets that strike inside forward or backward, from hooks :meth:`BitFlipInjector.attach` installs
 HOOKED = ("activation", "activation_grad", "weight_grad")
+MODULE_TARGETS = ("activation", "activation_grad")   # ``tensor`` names a module, not a parameter
 
 
 @dataclass
@@ -176,7 +177,7 @@ class BitFlipInjector:
         rank outside the job, a tensor this rank does not hold, a bit or element outside it."""
         if not self.spec.node and self.spec.rank >= world:
             raise SdcError(f"sdc.inject: rank {self.spec.rank} is outside the job's {world} ranks")
-        if not self.here() or self.spec.target in ("activation", "activation_grad"):
+        if not self.here() or self.spec.target in MODULE_TARGETS:
             return  # modules: checked when the hook is attached
         params = {n: p for m in parts for n, p in m.named_parameters()}
         if self.spec.tensor not in params:
