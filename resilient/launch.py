@@ -537,6 +537,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
         spec = WorkerSpec(role="trainer", local_world_size=nproc, rdzv_handler=handler,
                           entrypoint=sys.executable, args=(), max_restarts=run.max_restarts,
                           monitor_interval=lc.monitor_interval)
+        agent, succeeded = None, False
         try:
             registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
             Quarantine(client, run_id).refuse_if_quarantined(node, endpoint)
@@ -550,7 +551,10 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             events.emit("agent_start", run_id=run_id, endpoint=endpoint, nnodes=[min_nodes, max_nodes], nproc=nproc,
                         domain=args.domain or node)
             result = agent.run()
+            succeeded = result is not None and not agent.quarantined and not result.is_failed()
         finally:
+            if agent is not None:
+                agent.leave(close_rendezvous=succeeded)
             client.close()
         if result is None:  # the rendezvous was closed: the job ended elsewhere
             return 0
@@ -559,6 +563,4 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
                               f"(see the sdc_* events in {run_dir / 'events.jsonl'}); the other nodes go on without it")
         if result.is_failed():
             raise LaunchError(f"training failed: {agent.give_up_reason(result)}; see {run_dir / 'events.jsonl'}")
-        if not agent.etcd_gone:  # else the owner of the embedded etcd left first: nothing to close
-            handler.shutdown()
     return 0

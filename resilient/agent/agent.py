@@ -496,11 +496,7 @@ class ResilientAgent(SimpleElasticAgent):
             self.store.close()
         if self.compactor is not None:
             self.compactor.close()
-        if self.registry is not None:
-            if self.etcd_gone:
-                self.registry.lease.close(revoke=False)  # it lapses on its own, if etcd ever comes back
-            else:
-                self.registry.leave()
+        # The node registry is left last, in leave(): see there.
         shutil.rmtree(self._tmp, ignore_errors=True)
         if preempted:
             reason = "preempted" if death_sig == signal.SIGTERM else "interrupted"
@@ -512,6 +508,29 @@ class ResilientAgent(SimpleElasticAgent):
         self.events.emit("agent_stop", reason=reason)
         if self.metrics is not None:
             self.metrics.close()
+
+    def leave(self, close_rendezvous: bool) -> None:
+        """This node's last etcd calls, after ``run()``: close the rendezvous for every node
+        (the job succeeded) and then, last of all, leave the node registry.
+
+        The order matters: the owner of an embedded etcd stops it once no other agent is
+        in the registry (:func:`resilient.launch.wait_for_agents_to_leave`). A call made
+        after leaving would meet a dead etcd and retry for the client's whole budget: the
+        process would hang on its way out."""
+        handler = self._worker_group.spec.rdzv_handler
+        try:
+            if close_rendezvous and not self.etcd_gone:
+                handler.shutdown()
+            elif hasattr(handler, "_stop_heartbeats"):
+                handler._stop_heartbeats()  # torch's keep-alive thread would go on after we left
+        except Exception as e:  # the others see the round end by their own keep-alives
+            log.warning("could not close the rendezvous: %s", e)
+        if self.registry is None:
+            return
+        if self.etcd_gone:
+            self.registry.lease.close(revoke=False)  # it lapses on its own, if etcd ever comes back
+        else:
+            self.registry.leave()
 
     def _exit_barrier(self) -> None:
         """torch's exit barrier (every agent waits for the others' workers to finish), without
