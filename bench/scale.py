@@ -61,6 +61,7 @@ class Fleet:
     def __init__(self, n: int, procs: int, cfg: dict[str, Any], domains: int) -> None:
         ctx = mp.get_context("spawn")
         self.names = [f"n{i:04d}" for i in range(n)]
+        cfg = {**cfg, "names": self.names}  # the members every node checks for losses
         self.where: dict[str, int] = {}
         self.pipes, self.procs = [], []
         try:
@@ -186,13 +187,17 @@ def simulate(n: int, endpoint: str, metrics_url: str, etcd_pids: list[int], args
     run_id = unique_run_id(f"scale{n}")
     lost10 = math.ceil(n * args.lost_fraction)  # 0: no mass-loss phase
     shm = tempfile.mkdtemp(prefix="resilient-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    last_call = args.last_call or max(1.0, 0.02 * n)
+    # torch's handler: the re-forming survivors must all join within the last call (~30 writes/s
+    # of its one state key), or the stragglers wait and force another round; the keyed one's joins
+    # do not queue.
+    last_call = args.last_call or (1.0 if args.handler == "keys" else max(1.0, 0.02 * n))
     conf = {"lease_ttl": str(args.lease_ttl), "last_call_timeout": str(last_call),
             "join_timeout": str(args.join_timeout), "keep_alive_interval": str(args.keep_alive),
-            "poll_interval": str(args.poll), "store_timeout": "120"}
+            "poll_interval": str(args.poll), "store_timeout": "120", "handler": args.handler}
     cfg = {"endpoint": endpoint, "run_id": run_id, "min_nodes": n, "max_nodes": n,
            "conf": conf, "shm": shm, "k": args.k, "secret": secrets.token_hex(32), "protocol": args.commit}
     out: dict[str, Any] = {"nodes": n, "run_id": run_id, "procs": min(args.procs, n), "k": args.k,
+                           "handler": args.handler,
                            "commit_protocol": args.commit,
                            "min_nodes_reform": max(1, n - 1 - lost10), "max_nodes": n, "conf": conf}
     client = EtcdClient(endpoint, retry_timeout=timedelta(seconds=30))
@@ -208,12 +213,15 @@ def simulate(n: int, endpoint: str, metrics_url: str, etcd_pids: list[int], args
         m, t0 = meter.mark(), time.time()
         out["first_round"] = {**_round(fleet.all("join"), t0, "first"), **meter.since(m)}
 
-        _line(f"N={n}: idle {args.idle:.0f} s (keep-alives)")
+        _line(f"N={n}: idle {args.idle:.0f} s (keep-alives, node-loss checks)")
         m = meter.mark()
-        time.sleep(args.idle)
+        # What every agent does while training: lease keep-alives (threads) and, every third of
+        # the node lease's TTL, a check for lost nodes (its ring neighbours; all every 10th).
+        fleet.all("idle", (args.idle, args.lease_ttl / 3))
         idle = meter.since(m)
         out["idle"] = {**idle, "keepalives_per_s": round(idle["keepalives"] / idle["wall_s"], 1),
                        "requests_per_s": round(idle["requests"] / idle["wall_s"], 1),
+                       "etcd_out_bytes_per_s": round(idle["tx_bytes"] / idle["wall_s"]),
                        "writes_per_s": round(idle["writes"] / idle["wall_s"], 1)}
 
         # From here on torch's rendezvous heartbeats stop writing (their load was measured
@@ -358,6 +366,10 @@ def bench_row(results: list[dict], cmd: str, wall: float) -> dict:
         if v["commit_latency_s"]["median"] is not None:
             figures[f"commit_{n}"] = fig([v["commit_latency_s"]["median"]], "s", f"N={n}: commit latency (median)")
         figures[f"ka_{n}"] = fig([r["idle"]["keepalives_per_s"]], "/s", f"N={n}: lease keep-alives per second, idle")
+        figures[f"idle_req_{n}"] = fig([r["idle"]["requests_per_s"] / n], "/s",
+                                       f"N={n}: etcd requests per node per second, idle (keep-alives, node-loss checks)")
+        figures[f"idle_out_{n}"] = fig([r["idle"]["etcd_out_bytes_per_s"] / n / 1e3], "kB/s",
+                                       f"N={n}: etcd bytes out per node per second, idle")
         if v["db_growth_per_1000_versions_bytes"] >= 0:  # negative: older history freed meanwhile
             figures[f"db_{n}"] = fig([v["db_growth_per_1000_versions_bytes"] / 1e6], "MB",
                                      f"N={n}: etcd db growth per 1000 versions (compacted)")
@@ -366,6 +378,8 @@ def bench_row(results: list[dict], cmd: str, wall: float) -> dict:
     wpv = [round((r["versions"]["writes"] - (r.get("commit_protocol") == "leader")) / max(1, r["versions"]["count"]), 2)
            for r in results]
     ka = [r["idle"]["keepalives_per_s"] / r["nodes"] for r in results]
+    idle = [r["idle"]["requests_per_s"] / r["nodes"] for r in results]
+    out = [r["idle"]["etcd_out_bytes_per_s"] / r["nodes"] / 1e3 for r in results]
     goals = [
         goal(f"re-form after one lost node ≤ 5 s at N={big['nodes']}", big["reform_1"]["seconds"] <= 5,
              f"{big['reform_1']['seconds']} s (of it the last call, {big['conf']['last_call_timeout']} s)"),
@@ -375,6 +389,10 @@ def bench_row(results: list[dict], cmd: str, wall: float) -> dict:
              "(2 puts in one txn per version; plus the leader's record, once per worker group)"),
         goal("keep-alive load linear in N", max(ka) <= 2 * min(ka),
              f"{', '.join(f'{k:.2f}' for k in ka)} keep-alives per node per second"),
+        goal("etcd load while training linear in N (requests and bytes per node per second within 2x across N)",
+             max(idle) <= 2 * min(idle) and max(out) <= 2 * min(out),
+             f"{', '.join(f'{k:.2f}' for k in idle)} requests and {', '.join(f'{k:.1f}' for k in out)} kB "
+             "per node per second (keep-alives, node-loss checks of 3 ring neighbours, all every max(10, N/8))"),
     ]
     return {**row("Control plane at scale: N simulated nodes against one etcd (bench/scale.py)", figures,
                   {"wpv": {"value": round(wpv[-1] / wpv[0], 3) if wpv[0] else None, "better": "lower",
@@ -396,10 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=1, help="peer replicas per version")
     p.add_argument("--commit", choices=("leader", "etcd"), default="leader",
                    help="the memory tiers' commit protocol (etcd: every node writes its holds, N + 1 writes)")
+    p.add_argument("--handler", choices=("keys", "torch"), default="keys",
+                   help="the rendezvous handler (launch.rendezvous): keys (a key per node) or torch's (one state key)")
     p.add_argument("--lost-fraction", type=float, default=0.1)
     p.add_argument("--last-call", type=float, default=0.0,
-                   help="last_call_timeout, seconds (default: max(1, 0.02 × N): the re-forming survivors "
-                        "must all join within it, or the stragglers wait and force another round)")
+                   help="last_call_timeout, seconds (default: 1; with --handler torch max(1, 0.02 × N))")
     p.add_argument("--join-timeout", type=float, default=120.0)
     p.add_argument("--keep-alive", type=float, default=5.0, help="keep_alive_interval, seconds")
     p.add_argument("--lease-ttl", type=float, default=10.0)

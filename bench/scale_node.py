@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
-from resilient.agent.membership import NodeRegistry
+from resilient.agent.membership import NodeRegistry, RegistryReader, exchange_node_ids
 from resilient.agent.quarantine import Quarantine
 from resilient.snapshot.api import ChunkRecord, Manifest, TensorRecord
 from resilient.snapshot.format import checksum, crc, manifest_to_json, version_dir
@@ -82,6 +82,7 @@ class SimNode:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
 
         from resilient.rendezvous import create_etcd3_handler
+        from resilient.rendezvous.keyed import KeyedRendezvousHandler
 
         self.name, self.alive = name, True
         self.errors = Errors()
@@ -91,17 +92,19 @@ class SimNode:
                                       min_nodes=cfg["min_nodes"], max_nodes=cfg["max_nodes"],
                                       local_addr="127.0.0.1", **cfg["conf"])
         self.handler = create_etcd3_handler(params)
-        backend = self.handler._state_holder._backend
-        self.client = backend.client
-        Quarantine(self.client, cfg["run_id"], backend.secret).refuse_if_quarantined(name, cfg["endpoint"])
+        # torch's handler keeps its etcd parts in its backend; the keyed one holds them itself.
+        self.keyed = isinstance(self.handler, KeyedRendezvousHandler)
+        parts = self.handler if self.keyed else self.handler._state_holder._backend
+        self.client, self.rdzv_lease, secret = parts.client, parts.lease, parts.secret
+        Quarantine(self.client, cfg["run_id"], secret).refuse_if_quarantined(name, cfg["endpoint"])
         self.registry = NodeRegistry(self.client, cfg["run_id"], name, domain,
-                                     timedelta(seconds=float(cfg["conf"].get("lease_ttl", 10))), backend.secret)
+                                     timedelta(seconds=float(cfg["conf"].get("lease_ttl", 10))), secret)
         self.store = NodeStore(cfg["shm"], cfg["run_id"], name)
         self.store.create()
-        self.server = PeerServer(self.store, backend.secret, host="127.0.0.1")
+        self.server = PeerServer(self.store, secret, host="127.0.0.1")
         self.registry.claim(store=self.server.address, rdzv=self.handler.node_desc)
-        self.replicator = Replicator(self.store, self.client, cfg["run_id"], name, backend.secret,
-                                     self.registry.alive,
+        self.replicator = Replicator(self.store, self.client, cfg["run_id"], name, secret,
+                                     RegistryReader(self.client, cfg["run_id"], secret),
                                      ReplicatorOptions(k=cfg["k"], duty=0.0, protocol=cfg["protocol"]),
                                      self.errors)
         self.replicator.serve(self.server)
@@ -114,6 +117,10 @@ class SimNode:
         versions are measured, so that their etcd writes are the commit protocol's alone
         (the keep-alives' own load is measured apart, idle)."""
         h = self.handler
+        if self.keyed:  # no keep-alive writes (its liveness is the etcd lease); the rest is its own
+            if "min_nodes" in changes:
+                h.settings.min_nodes = changes["min_nodes"]
+            return
         if "keep_alive_interval" in changes:
             changes["keep_alive_interval"] = timedelta(seconds=changes["keep_alive_interval"])
         new = dataclasses.replace(h._settings, **changes)
@@ -121,7 +128,9 @@ class SimNode:
 
     def joined(self, info) -> None:
         self.rank, self.world = info.rank, info.world_size
-        self.round = self.handler._state_holder.state.round
+        # As the agent's _join_round: publish our node id in the round's store, learn everyone's.
+        self.round_nodes = set(exchange_node_ids(info.store, self.rank, self.world, self.name))
+        self.round = self.handler._joined[0] if self.keyed else self.handler._state_holder.state.round
         self.replicator.set_workers({self.rank}, self.world)
 
     def join(self) -> dict:
@@ -158,10 +167,14 @@ class SimNode:
         """As kill -9 would: the port refuses at once, keep-alives stop, keys lapse with their leases."""
         self.alive = False
         self.server.close()
-        self.handler._stop_heartbeats()
+        self._stop_heartbeats()
         self.replicator.close(timedelta(seconds=2))
         self.registry.lease.close(revoke=False)
-        self.handler._state_holder._backend.lease.close(revoke=False)
+        self.rdzv_lease.close(revoke=False)
+
+    def _stop_heartbeats(self) -> None:
+        if not self.keyed:
+            self.handler._stop_heartbeats()
 
     def close(self) -> None:
         try:
@@ -169,9 +182,9 @@ class SimNode:
                 self.alive = False
                 self.replicator.close(timedelta(seconds=2))
                 self.server.close()
-                self.handler._stop_heartbeats()
+                self._stop_heartbeats()
                 self.registry.leave()
-                self.handler._state_holder._backend.lease.close(revoke=True)
+                self.rdzv_lease.close(revoke=True)
         finally:
             self.client.close()
             self.store.remove()
@@ -195,6 +208,7 @@ def fleet_main(conn, names: list[str], domains: list[str], cfg: dict[str, Any]) 
     register()
     # Every survivor evicts the same dead node: one warning per node and re-form is noise here.
     logging.getLogger("resilient.rendezvous.handler").setLevel(logging.ERROR)
+    logging.getLogger("resilient.rendezvous.keyed").setLevel(logging.ERROR)
     nodes: list[SimNode] = []
     pool = ThreadPoolExecutor(max(1, len(names)), thread_name_prefix="sim")
     lock = threading.Lock()
@@ -214,6 +228,10 @@ def fleet_main(conn, names: list[str], domains: list[str], cfg: dict[str, Any]) 
             live = [n for n in nodes if n.alive]
             if cmd == "join":
                 conn.send(("ok", _each(live, SimNode.join, pool)))
+            elif cmd == "idle":
+                seconds, every = arg
+                _idle(live, set(cfg["names"]), seconds, every)
+                conn.send(("ok", []))
             elif cmd == "settings":
                 for n in nodes:
                     n.settings(**arg)
@@ -241,6 +259,17 @@ def fleet_main(conn, names: list[str], domains: list[str], cfg: dict[str, Any]) 
         _each(nodes, SimNode.close, pool)
         pool.shutdown(wait=False)
         conn.send(("closed", None))
+
+
+def _idle(nodes: list[SimNode], members: set[str], seconds: float, every: float) -> None:
+    """The agents' node-loss check (``NodeRegistry.lost``, as ``ResilientAgent`` calls it)
+    by every node every ``every`` seconds, for ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = time.monotonic()
+        for n in nodes:
+            n.registry.lost(members - {n.name}, neighbours=3)
+        time.sleep(max(0.0, min(every - (time.monotonic() - start), end - time.monotonic())))
 
 
 def _safe(fn, arg, name: str) -> dict:

@@ -27,13 +27,14 @@ EVENTS = frozenset({
     "run_start", "step", "eval", "run_end", "worker_error",
     # snapshots
     "snapshot", "commit", "upload", "upload_error", "restore", "restore_fallback", "gc", "store_full",
+    "snapshot_interval",
     # agent and rendezvous
     "agent_start", "agent_stop", "rendezvous", "workers_started", "failure",
     "heartbeat_timeout", "evicted", "preemption", "scale", "membership", "auth_failure", "metrics",
     # silent data corruption
     "sdc_suspect", "sdc_replay", "sdc_verdict", "sdc_probe", "sdc_coverage", "quarantine", "rollback",
     # fail-slow
-    "straggler",
+    "straggler", "failslow_replace", "failslow_mark", "failslow_rejoin",
     # chaos
     "fault_injected", "fault_cleared",
 })

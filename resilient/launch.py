@@ -444,11 +444,14 @@ def store_settings(snap: SnapshotConfig):
     """The node store's settings from ``[snapshot]``, or None when the memory tiers are off."""
     from resilient.agent.store import StoreSettings
 
-    if snap.every <= 0 or not snap.memory:
+    if not snap.memory_on:
         return None
+    # every = "auto": the workers' chooser keeps versions within the link budget, and their
+    # steps need not be multiples of anything: the replicator takes every version (stride 1).
     return StoreSettings(base=snap.store_dir, replicas=snap.replicas, keep=snap.store_keep,
                          rate_bytes_s=snap.replicate_mib_s * (1 << 20), host=snap.store_host,
-                         duty=snap.replicate_duty, max_stride=snap.replicate_max_stride)
+                         duty=snap.replicate_duty,
+                         max_stride=1 if "memory" in snap.auto_tiers else snap.replicate_max_stride)
 
 
 def _raise_on_signal(signum, frame):
@@ -509,7 +512,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
         # On our embedded etcd every client logs in with the job secret's password (etcd_endpoint).
         rdzv_conf = {**parse_rdzv_conf(args.rdzv_conf), **({} if args.rdzv_endpoint else embedded_etcd_conf(secret))}
         conf = {"last_call_timeout": lc.last_call_timeout, "keep_alive_interval": lc.keep_alive_interval,
-                "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, **rdzv_conf}
+                "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, "handler": lc.rendezvous, **rdzv_conf}
         params = RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id=run_id,
                                       min_nodes=min_nodes, max_nodes=max_nodes, **conf)
         handler = rendezvous_handler_registry.create_handler(params)

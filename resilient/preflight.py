@@ -179,7 +179,7 @@ def check_node_store(plan: NodePlan) -> CheckResult:
     snap = getattr(plan.runtime, "snapshot", None)
     if snap is None:
         return CheckResult(name, Status.SKIP, "no config given: pass CONFIG to size the node store")
-    if snap.every <= 0 or not snap.memory:
+    if not snap.memory_on:
         return CheckResult(name, Status.SKIP, "memory tiers off (snapshot.every = 0 or snapshot.memory = false)")
     base = Path(snap.store_dir)
     if not base.is_dir():

@@ -50,6 +50,7 @@ class LaunchConfig:
     last_call_timeout: float = knob(1.0, "with MIN:MAX nodes, how long a round waits for more nodes once MIN are in (torch's default is 30)")
     keep_alive_interval: float = knob(1.0, "rendezvous keep-alive period; a node missing 3 of them is dropped from the round")
     join_timeout: float = knob(600.0, "how long a node waits for a rendezvous round to complete")
+    rendezvous: str = knob("keys", "the rendezvous protocol: torch (torch's handler, one state key changed by compare-and-swap: fine up to ~32 nodes) or keys (a key per node: re-forms in about a second at hundreds of nodes; bench/scale.py)", choices=("torch", "keys"))
     preemption_grace: float = knob(20.0, "after SIGTERM, how long workers get to finish the step and save before SIGKILL")
     etcd_outage: float = knob(300.0, "seconds etcd may stay unreachable while the workers train on (the local tier keeps their snapshots); past it a node stops after its workers saved their newest step, and a relaunch resumes from the newest durable version")
     etcd_compact_interval: float = knob(300.0, "seconds between compactions of etcd's history by each agent (a job that snapshots every step writes etcd records every step, ~0.5 GB of etcd database a day on the demo, and a full etcd refuses every write); 0 = never, for an etcd whose operators compact it")

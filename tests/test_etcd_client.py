@@ -58,6 +58,9 @@ def test_kv_and_prefix(client, ns):
     assert [k.key for k in client.get_prefix(ns)] == [(ns + "a").encode(), (ns + "b").encode()]
     assert client.count_prefix(ns) == 2
     assert [kv and kv.value for kv in client.get_many([ns + "b", ns + "zz"])] == [b"2", None]
+    # More keys than etcd takes in one transaction (--max-txn-ops, 128): read in batches, in order.
+    many = [ns + "b" if i % 100 == 7 else f"{ns}none{i}" for i in range(300)]
+    assert [i for i, kv in enumerate(client.get_many(many)) if kv is not None] == [7, 107, 207]
     assert client.delete(ns + "a") and not client.delete(ns + "a")
     assert client.get(ns + "a") is None
     assert client.delete_prefix(ns) == 1 and client.get_prefix(ns) == []

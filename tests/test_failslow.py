@@ -4,6 +4,7 @@ the step timer's accounting. The real processes are in test_failslow_multiproc.p
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -124,9 +125,45 @@ def test_the_cost_model_acts_only_when_the_remaining_loss_exceeds_a_reform():
     assert set(fields) >= {"policy", "action", "pays", "expected_loss_seconds", "reform_seconds", "reason"}
 
 
+@pytest.mark.parametrize("seat", ["spare", "shrink"])
+def test_the_replace_policy_acts_on_a_long_run_declines_a_short_one_and_never_a_link(seat):
+    cfg = FailSlowConfig(policy="replace")
+    weigh = dict(step_seconds=1.0, reform_seconds=30.0, seat=seat)
+    long = decide(cfg, _straggler(2.0), remaining_steps=1000, **weigh)
+    assert (long.action, long.pays, long.seat) == ("replace", True, seat) and "node b leaves" in long.reason
+    host = decide(cfg, _straggler(2.0, "host"), remaining_steps=1000, **weigh)
+    assert host.action == "replace"
+    short = decide(cfg, _straggler(2.0), remaining_steps=40, **weigh)      # loses 20 s < a 30 s re-form
+    assert (short.action, short.pays) == ("report", False) and "≤ a re-form's 30.0 s" in short.reason
+    slight = decide(cfg, _straggler(1.02), remaining_steps=1000, **weigh)  # 19.6 s < 30 s however long
+    assert slight.action == "report"
+    for factor, remaining in [(1.5, 100), (2.0, 1000), (10.0, 10**6)]:
+        link = decide(cfg, _straggler(factor, "link"), remaining_steps=remaining, **weigh)
+        assert (link.action, link.pays) == ("report", False) and "not fixed by replacing a node" in link.reason
+    for nobody in ("none", None):   # nobody to take the seat: acting would only re-form
+        d = decide(cfg, _straggler(2.0), step_seconds=1.0, remaining_steps=1000, reform_seconds=30.0, seat=nobody)
+        assert (d.action, d.pays) == ("report", True) and "not replaced" in d.reason
+    assert decide(FailSlowConfig(policy="report"), _straggler(2.0), remaining_steps=1000, **weigh).action == "report"
+
+
+def test_a_seat_is_a_spare_else_a_shrink_above_the_minimum_else_none(tmp_path):
+    from resilient.failslow.replace import local_seat, seat_of
+
+    assert seat_of(round_size=2, spares=1, min_nodes=2) == "spare"
+    assert seat_of(round_size=3, spares=0, min_nodes=2) == "shrink"
+    assert seat_of(round_size=2, spares=0, min_nodes=2) == "none"
+    path = tmp_path / "seats.json"
+    assert local_seat(str(path)) is None                       # the agent has not written it yet
+    path.write_text('{"seat": "spare"}')
+    assert local_seat(str(path)) == "spare"
+    path.write_text('{"seat": "everyone"}')
+    assert local_seat(str(path)) is None
+
+
 @pytest.mark.parametrize("key,value,words", [
     ("every", 0, "every = 0"), ("warmup", 1, "warmup = 1"), ("threshold", 1.0, "must be > 1"),
-    ("evidence", 0, "must be > 0"), ("reform_seconds", -1, "use 0 for measured"), ("policy", "replace", "is not one of"),
+    ("evidence", 0, "must be > 0"), ("reform_seconds", -1, "use 0 for measured"), ("policy", "evict", "is not one of"),
+    ("rejoin_probes", 0, "rejoin_probes = 0"), ("rejoin_interval", 0, "rejoin_interval = 0"),
 ])
 def test_bad_knobs_are_config_errors_that_say_the_fix(key, value, words):
     with pytest.raises(ConfigError, match=words):
@@ -158,6 +195,66 @@ def test_the_step_timer_splits_the_wall_time_and_refuses_nesting():
     with pytest.raises(FailSlowError, match="compute is what is left"):
         with timer.phase("compute"):
             pass
+    timer.close()
+
+
+_INTRA_OP_DELAY = """
+import os, subprocess, sys, threading, time
+cpus = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cpus[0]})   # before torch: its intra-op pool is made on the first CPU
+import torch
+from resilient.failslow.timing import ProcessRunDelay, open_run_delay, run_delay
+torch.set_num_threads(2)
+a = torch.randn(256, 256)
+a @ a                                     # the intra-op pool exists from here
+os.sched_setaffinity(0, {cpus[1]})        # the training thread alone moves to the second CPU
+stop = threading.Event()
+side = threading.Thread(target=stop.wait) # a Python thread (a snapshot writer): not the step's
+side.start()
+hog = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {%d}); exec('while True: pass')" % cpus[0]])
+time.sleep(0.2)
+def each():
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{t}/schedstat") as f:
+            out[int(t)] = int(f.read().split()[1]) * 1e-9
+    return out
+delay, fd = ProcessRunDelay(), open_run_delay()
+total0, mine0, each0 = delay.read(), run_delay(fd), each()
+chosen = {int(t) for t in delay._fds}
+t0 = time.perf_counter()
+while time.perf_counter() - t0 < 0.8:
+    b = torch.randn(512, 512)
+    b @ b
+total, mine, each1 = delay.read() - total0, run_delay(fd) - mine0, each()
+hog.kill(); hog.wait(); stop.set(); side.join()
+me = threading.get_native_id()
+pool = max(each1[t] - each0.get(t, each1[t]) for t in chosen - {me})
+print(total, mine, pool, me in chosen, side.native_id in chosen)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or not hasattr(os, "sched_setaffinity")
+                    or len(os.sched_getaffinity(0)) < 2, reason="per-thread schedstat and affinity are Linux's; 2 CPUs")
+def test_the_run_queue_delay_holds_a_starved_intra_op_thread_not_only_the_training_threads():
+    """The training thread's matrix products run on two intra-op threads; its pool mate shares
+    a CPU with a busy process, the training thread has another. The step's run-queue delay
+    must hold the starved pool thread's (it stretches the step while the training thread,
+    waiting for it, is not queued), and the threads read are the training thread and the
+    pool's, not a Python thread beside the step."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _INTRA_OP_DELAY], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    total, mine, pool, main_read, python_read = out.stdout.split()
+    total, mine, pool = float(total), float(mine), float(pool)
+    assert (main_read, python_read) == ("True", "False"), out.stdout
+    assert pool > 0.1, (total, mine, pool)     # the pool thread waited for the busy process's CPU
+    # the step's delay is the most delayed of the step's threads: the pool thread's when it
+    # waited longer than the training thread (never less than the training thread's own)
+    assert total >= max(mine, pool) - 0.005 and total <= max(mine, pool) + 0.05, (total, mine, pool)
 
 
 def test_the_probe_names_a_slow_compute_a_host_or_the_link_they_share():

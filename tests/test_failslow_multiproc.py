@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 
 from resilient_chaos.slow import SlowProcess
-from launchutil import events
+from launchutil import digests, events, steps_done
 from resilient.failslow.drill import run_drill
 from resilient.sdc.harness import GlooPool
 
@@ -81,3 +81,78 @@ def test_the_probe_finds_a_process_that_is_slow_inside_the_collectives_too(pool)
         verdict = judge(*pool.run(probe)[0], nodes)
     assert slow.achieved_factor > 1.5
     assert (verdict["cause"], verdict["slow_rank"], verdict["slow_node"]) == ("device", 2, "b"), verdict
+
+
+# ------------------------------------------------------------ the replace policy, end to end
+REPLACE_STEPS = 60
+REPLACE_AT = 12     # the slowdown starts here (warmup 8)
+
+
+@pytest.mark.timeout(300)
+def test_replace_hands_the_slow_nodes_seat_to_a_spare_and_ends_bitwise_equal(corpus, tmp_path, monkeypatch):
+    """Three agents start for a 2-node job (one worker each): two form the round, the third
+    waits as a warm spare. One member's worker is slowed 3x. Policy replace, re-forms made
+    cheap (reform_seconds) so acting pays: every rank stops after the same step and saves
+    it, the slow node's agent marks it and leaves the round, the spare takes the seat, the
+    run ends bitwise equal to the fault-free run of the same layout (2 ranks), and the slow
+    node, probed healthy (the slowdown was its old worker's), clears its mark and waits as
+    a spare until the job ends."""
+    from launchutil import REPO, Agent, run_launch, tiny_overrides, wait_for, worker_pids
+    from resilient.agent.quarantine import SlowMarks
+    from resilient.etcd import EtcdClient
+    from resilient.etcd.testing import embedded_etcd
+    from resilient.launch import default_run_id
+    from resilient.secret import RUN_DIR_SECRET, resolve_secret
+
+    demo = REPO / "configs" / "demo.toml"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # one arithmetic for both runs, whatever the host
+    over = tiny_overrides(corpus, REPLACE_STEPS) + [
+        "failslow.policy=replace", "failslow.reform_seconds=0.01", "failslow.rejoin_probes=1",
+        "failslow.rejoin_interval=0.5"]
+    reference = tmp_path / "reference"
+    run_launch(demo, reference, over, nproc=2)
+    run = tmp_path / "replace"
+    run.mkdir()
+    agents: dict[str, Agent] = {}
+    injector = None
+    with embedded_etcd() as etcd:
+        try:
+            for n in ("a", "b", "c"):
+                agents[n] = Agent(demo, run, over, n, nnodes="2:2", endpoint=etcd.endpoint, nproc=1)
+            first = wait_for(lambda: events(run, "rendezvous"), 120, "the first round")[0]
+            (spare,) = {"a", "b", "c"} - set(first["nodes"])
+            slow = max(first["nodes"])
+            wait_for(lambda: steps_done(run) >= REPLACE_AT, 120, f"step {REPLACE_AT}")
+            injector = SlowProcess(worker_pids(run, slow)[0], factor=3.0, period=timedelta(milliseconds=10))
+            injector.inject()
+            (mark,) = wait_for(lambda: events(run, "failslow_mark"), 120, f"{slow} marked slow")
+            stay = set(first["nodes"]) - {slow}
+            for n in stay | {spare}:
+                assert agents[n].wait(180) == 0, agents[n].output()[-3000:]
+            # the job closed the rendezvous: the slow node, back as a spare with no seat free, ends too
+            assert agents[slow].wait(60) == 0, agents[slow].output()[-3000:]
+        finally:
+            if injector is not None:
+                injector.clear()
+            for agent in agents.values():
+                agent.close()
+        with EtcdClient(etcd.endpoint) as client:   # the mark was cleared when the node rejoined
+            assert SlowMarks(client, default_run_id(run), resolve_secret(run / RUN_DIR_SECRET)).get(slow) is None
+    (verdict,) = [v for v in events(run, "straggler") if v["decision"]["action"] == "replace"]
+    assert (verdict["cause"], verdict["slow_node"], verdict["decision"]["seat"]) == ("device", slow, "spare"), verdict
+    (action,) = events(run, "failslow_replace")
+    assert (action["node"], action["slow_node"], action["verdict_step"]) == (slow, slow, verdict["step"])
+    assert action["step"] == verdict["step"] + 1   # the timings of a step are judged after the next one
+    assert action["probe_seconds"] > 1.3 * action["reference_seconds"], action
+    assert (mark["node"], mark["rank"], mark["step"]) == (slow, -1, action["step"])
+    (rejoin,) = events(run, "failslow_rejoin")
+    assert rejoin["node"] == slow and rejoin["ratio"] < 1.3
+    left = {e["node"]: e for e in events(run, "run_end") if e.get("peer_left")}
+    assert set(left) == set(first["nodes"]) and {e["replaced"] for e in left.values()} == {slow}
+    assert {e["step"] for e in left.values()} == {action["step"]}
+    # the spare took the seat at the step everyone saved, and the run ended bitwise equal
+    resumed = [e for e in events(run, "run_start") if e["start_step"] > 0]
+    assert {e["node"] for e in resumed} == stay | {spare} and {e["start_step"] for e in resumed} == {action["step"]}
+    final = {e["rank"]: e["param_digest"] for e in events(run, "run_end") if e.get("param_digest")}
+    assert final == digests(reference) and len(final) == 2
+    assert not [e for e in events(run, "failure") if e.get("kind") == "exit"]   # leaving was no failure

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from resilient.events import EventLog, read_events
 from resilient.secret import COMMIT, HOLDS, JobSecret
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions, commit_key, leader_key
 from resilient.snapshot.nodestore import Doorbell, NodeStore
-from resilient.snapshot.peer import PeerServer
+from resilient.snapshot.peer import PIECE, PeerServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from scale_node import write_rank  # noqa: E402  (the simulator's tiny rank: one row of a (world, 4) tensor)
@@ -35,9 +36,10 @@ def client(etcd):
 
 
 class Fleet:
-    """``names`` nodes, each a store, a peer server and a replicator serving its holds."""
+    """``names`` nodes, each a store, a peer server and a replicator serving its holds;
+    ``rates``: a node's push rate cap (bytes/s), which makes its replicator that much slower."""
 
-    def __init__(self, client, tmp_path: Path, names: list[str]):
+    def __init__(self, client, tmp_path: Path, names: list[str], rates: dict[str, float] | None = None):
         self.client, self.run_id = client, unique_run_id()
         self.stores, self.servers, self.reps, self.logs = {}, {}, {}, {}
         self.registry: dict[str, dict] = {}
@@ -49,19 +51,24 @@ class Fleet:
         for n in names:
             self.logs[n] = EventLog(tmp_path / f"events-{n}.jsonl", node=n)
             self.reps[n] = Replicator(self.stores[n], client, self.run_id, n, SECRET, lambda: dict(self.registry),
-                                      ReplicatorOptions(k=1, gather_timeout=GATHER, protocol="leader"), self.logs[n])
+                                      ReplicatorOptions(k=1, gather_timeout=GATHER, protocol="leader",
+                                                        rate=(rates or {}).get(n, 0.0)), self.logs[n])
             self.reps[n].serve(self.servers[n])
 
     def workers(self, ranks: dict[str, set[int]], world: int) -> None:
         for n, r in ranks.items():
             self.reps[n].set_workers(r, world)
 
-    def version(self, step: int, attempt: str, ranks: dict[str, set[int]], world: int) -> None:
-        """Each node of ``ranks`` writes its ranks of ``step`` (as workers do) and is waited for."""
+    def land(self, step: int, attempt: str, ranks: dict[str, set[int]], world: int) -> None:
+        """Each node of ``ranks`` writes its ranks of ``step`` and rings its doorbell, as workers do."""
         for n, rs in ranks.items():
             for r in rs:
                 write_rank(self.stores[n], step, attempt, r, world)
             Doorbell.ring(self.reps[n]._bell.path)
+
+    def version(self, step: int, attempt: str, ranks: dict[str, set[int]], world: int) -> None:
+        """:meth:`land`, then each node is waited for until it handled the version."""
+        self.land(step, attempt, ranks, world)
         for n in ranks:
             assert self.reps[n].flush(timedelta(seconds=30)), f"{n} did not handle step {step}"
 
@@ -77,6 +84,11 @@ class Fleet:
     def commit(self, step: int) -> bool:
         return self.client.get(commit_key(self.run_id, "memory", step)) is not None
 
+    def commits(self, n: str) -> list[int]:
+        """The steps node ``n`` committed at the peer tier so far (its events: the replicator
+        deletes old commit records from etcd)."""
+        return [e["step"] for e in read_events(self.logs[n].path) if e["event"] == "commit" and e["tier"] == "peer"]
+
     def close(self) -> None:
         for rep in self.reps.values():
             rep.close()
@@ -91,7 +103,7 @@ class Fleet:
 @pytest.fixture
 def fleet(client, tmp_path):
     made: list[Fleet] = []
-    yield lambda names: made.append(Fleet(client, tmp_path, names)) or made[-1]
+    yield lambda names, **kw: made.append(Fleet(client, tmp_path, names, **kw)) or made[-1]
     for f in made:
         f.close()
 
@@ -178,3 +190,29 @@ def test_two_leaders_racing_for_one_attempt_one_leads_one_commit(fleet, client):
                              client.get(commit_key(f.run_id, "memory", 1)).value)
     assert set(rec["holders"]["0"]) >= {"a", "b"} and rec["holders"]["1"][0] == "c"
     assert not f.errors(leader) and not f.errors("c")
+
+
+def test_nodes_handling_versions_at_their_own_pace_under_load_still_commit(fleet):
+    """Versions land faster than any node handles them, and each node handles them at its own
+    pace (b's and c's pushes are rate-capped: ~0.2 s and ~0.35 s a version, a's are not). Each
+    node's replicator skips to the newest version when it is behind, so on its own each would
+    pick a different version; the followers must handle the version the leader gathers, or
+    the leader never sees every rank of any version and commits none (CI: the local tier
+    stuck for 90 s while training went on)."""
+    per_put = {"b": 0.1, "c": 0.175}  # seconds a put sleeps under the rate cap (a push: 2 puts)
+    f = fleet(["a", "b", "c"], rates={n: PIECE / s for n, s in per_put.items()})
+    ranks = {"a": {0}, "b": {1}, "c": {2}}
+    f.workers(ranks, 3)
+    f.version(1, "t0-000001", ranks, 3)  # the leader announced, one commit: the load starts from there
+    assert f.commits("a") == [1]
+    step = 1
+    for step in range(2, 202):  # a version every 25 ms at every node, for about 5 s
+        f.land(step, "t0-000001", ranks, 3)
+        time.sleep(0.025)
+    under_load = f.commits("a")[1:]
+    # Liveness, not speed: each leader turn waits for the slowest node (~0.35 s) or gives the
+    # version up after GATHER (1.5 s); without following the leader nearly every turn is given up.
+    assert len(under_load) >= 3, f"steps committed while versions landed: {under_load}"
+    f.version(step + 1, "t0-000001", ranks, 3)  # the load ends: the newest version is committed
+    assert f.commit(step + 1)
+    assert not f.errors("b") and not f.errors("c")

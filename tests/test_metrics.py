@@ -295,7 +295,9 @@ def test_prometheus_scrapes_a_running_two_node_job(corpus, tmp_path, etcd):
                        "resilient_snapshot_blocked_seconds_count > 0", "resilient_snapshot_size_bytes_sum > 0",
                        "resilient_world_size == 2", "resilient_rendezvous_rounds_total >= 1",
                        'sum by (instance) (resilient_etcd_request_duration_seconds_count{op="/kv/range"}) > 0'):
-            assert len(prom.query(series)) == 2, series
+            # Waited for, not read once: a series appears at its event's step (the capture's
+            # blocked time comes with the durable versions, every 5th step) plus a scrape.
+            wait_for(lambda: len(prom.query(series)) == 2, 60, series)
         info = {r["metric"]["node"] for r in prom.query("resilient_agent_info")}
         assert info == {"a", "b"}
     finally:

@@ -58,10 +58,11 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from resilient.agent.api import (NODE_ID_ENV, NOT_DURABLE_EXIT, PEER_LEFT_EXIT, RUN_DIR_ENV, AgentError, AgentSettings,
                                  FailureKind)
 from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
-from resilient.agent.membership import NodeRegistry
+from resilient.agent.membership import NodeRegistry, exchange_node_ids
 from resilient.agent.pool import WarmPool, WorkerProcess
-from resilient.agent.quarantine import QUARANTINE_EXIT, Quarantine
+from resilient.agent.quarantine import QUARANTINE_EXIT, SLOW_EXIT, Quarantine
 from resilient.etcd.compactor import HistoryCompactor
+from resilient.failslow.replace import SeatHandover
 from resilient.events import EventLog, read_events
 from resilient.observe.metrics import AgentMetrics, QuarantineCount
 from resilient.procs import OWNER, ignore_stop_signals, owner_record, reclaim_dirs
@@ -166,6 +167,10 @@ class ResilientAgent(SimpleElasticAgent):
             if hasattr(spec.rdzv_handler, "node_desc"):
                 info["rdzv"] = spec.rdzv_handler.node_desc
             registry.update(**info)
+        # fail-slow replace: whether a seat can be handed over; a slow node's mark and rejoin
+        self.failslow = SeatHandover(node=settings.node_id, run_id=settings.run_id, run_dir=settings.run_dir,
+                                     min_nodes=settings.min_nodes, runtime_config=settings.runtime_config,
+                                     registry=registry, events=events, tmp=self._tmp)
         self.compactor = None  # started last: a failed start leaves no thread behind
         if registry is not None and settings.etcd_compact_interval > timedelta(0):
             self.compactor = HistoryCompactor(registry.client, settings.etcd_compact_interval,
@@ -191,6 +196,7 @@ class ResilientAgent(SimpleElasticAgent):
                 self.events.emit("metrics", address=address)
                 if self.registry is not None:  # where `resilient status` and service discovery find it
                     self.registry.update(metrics=address)
+            self.failslow.wait_if_marked(self._worker_group.spec.rdzv_handler)   # marked slow: probe first
             self.pool.fill(self.settings.nproc_per_node)
             if not self.pool.wait_ready(self.settings.startup_timeout):
                 log.warning("the warm worker template is not ready after %s; joining anyway",
@@ -225,6 +231,8 @@ class ResilientAgent(SimpleElasticAgent):
         unreachable the workers train on (no node can join anyway) until ``etcd_outage``
         has passed since the first failed read; then :class:`EtcdOutage` ends the run."""
         started = time.monotonic()
+        if self.failslow.leaving():   # this node's workers are handing their seat over (fail-slow)
+            return 0
         try:
             waiting = self._handler_nodes_waiting()
         except RendezvousUnavailable as e:
@@ -278,12 +286,9 @@ class ResilientAgent(SimpleElasticAgent):
 
     def _join_round(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
-        store, me = worker_group.store, worker_group.group_rank
         # Publish who we are in this round's store, learn who the others are.
-        store.set(f"resilient/node/{me}", self.settings.node_id)
-        self.round_nodes = {
-            store.get(f"resilient/node/{r}").decode() for r in range(worker_group.group_world_size)
-        }
+        self.round_nodes = set(exchange_node_ids(worker_group.store, worker_group.group_rank,
+                                                 worker_group.group_world_size, self.settings.node_id))
 
     # -- workers ----------------------------------------------------------------
     def _worker_env(self, wg: WorkerGroup, worker) -> dict[str, str]:
@@ -306,6 +311,7 @@ class ResilientAgent(SimpleElasticAgent):
             **({RUNTIME_CONFIG_ENV: self.settings.runtime_config} if self.settings.runtime_config else {}),
             HEARTBEAT_ENV: self.heartbeats.path(worker.local_rank),
             **(self.store.env() if self.store is not None else {}),
+            **self.failslow.env(),
         }
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
@@ -377,15 +383,18 @@ class ResilientAgent(SimpleElasticAgent):
             code = wp.poll()
             if code is not None and code != 0:
                 failures.update(self._failure(worker_group, local_rank, wp, code))
-                if code != PEER_LEFT_EXIT:
+                if code not in (PEER_LEFT_EXIT, SLOW_EXIT):
                     self.events.emit("failure", kind=FailureKind.EXIT.value, local_rank=local_rank,
                                      pid=wp.pid, exitcode=code)
-        if failures and all(f.exitcode == PEER_LEFT_EXIT for f in failures.values()):
-            # Another node was preempted; every rank stopped after the same step and saved it.
-            # Once this node's workers are all out (the others may still be saving), re-form
-            # without the leaver: not a failure, no restart counted.
+        if failures and all(f.exitcode in (PEER_LEFT_EXIT, SLOW_EXIT) for f in failures.values()):
+            # Another node was preempted (or found slow); every rank stopped after the same step
+            # and saved it. Once this node's workers are all out (the others may still be
+            # saving), re-form without the leaver: not a failure, no restart counted.
             if any(wp.poll() is None for wp in self.procs.values()):
                 return RunResult(state=WorkerState.HEALTHY)
+            slow = sorted(f.local_rank for f in failures.values() if f.exitcode == SLOW_EXIT)
+            if slow:   # this node is the slow one: mark it, leave the round, rejoin when healthy
+                self.failslow.hand_over(slow, self._leave_rendezvous, worker_group.spec.rdzv_handler)
             self.events.emit("membership", reason="peer_preempted", nodes_before=sorted(self.round_nodes))
             self._restart_workers(worker_group)
             return RunResult(state=WorkerState.HEALTHY)
@@ -408,6 +417,7 @@ class ResilientAgent(SimpleElasticAgent):
                                  failures=self._failure(worker_group, local_rank, wp, -signal.SIGKILL))
         self._refill_when_running()
         self._check_membership(worker_group)
+        self.failslow.publish(self.round_nodes)
         if self.store is not None:
             self.store.report_full()
         return RunResult(state=WorkerState.HEALTHY)
@@ -457,7 +467,7 @@ class ResilientAgent(SimpleElasticAgent):
         if self.registry is None or now < self._next_membership_check:
             return
         self._next_membership_check = now + self.settings.lease_ttl.total_seconds() / 3
-        lost = self.registry.lost(self.round_nodes - {self.settings.node_id})
+        lost = self.registry.lost(self.round_nodes - {self.settings.node_id}, neighbours=3)
         if lost:
             self.events.emit("failure", kind=FailureKind.NODE_LOST.value, nodes=sorted(lost))
             self.events.emit("membership", nodes_before=sorted(self.round_nodes),
@@ -576,6 +586,9 @@ class ResilientAgent(SimpleElasticAgent):
 
         handler = self._worker_group.spec.rdzv_handler
         try:
+            if hasattr(handler, "leave"):  # the keyed handler (resilient.rendezvous.keyed)
+                handler.leave()
+                return
             handler._stop_heartbeats()
             handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10.0)
         except Exception as e:  # best effort: the keep-alive expiry is the fallback

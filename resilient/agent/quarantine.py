@@ -22,6 +22,13 @@ host (``--rdzv-conf username=...``). The CLI takes the job secret
 ``--rdzv-conf``, as ``launch`` does; on a single-machine job ``--run-dir`` alone
 finds the embedded etcd (``RUN_DIR/etcd.endpoint``), its run id and its secret,
 and the CLI logs in to it with the secret.
+
+A node the fail-slow checks found slow (``failslow.policy = "replace"``) takes
+the same path, lighter: its workers exit with :data:`SLOW_EXIT`, its agent
+records a mark under ``/resilient/<run>/slow/<node>`` (:class:`SlowMarks`, the
+same sealed records), leaves the round so a spare takes the seat, and clears
+the mark itself once a probe run shows the node healthy
+(:mod:`resilient.failslow.replace`): no operator needed.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from resilient.secret import (
 )
 
 QUARANTINE_EXIT = 75  # the worker's exit code for "my device is bad"
+SLOW_EXIT = 78        # ... for "my node is slow: hand its seat over" (fail-slow replace; not a failure)
 
 
 class NodeQuarantined(AgentError):
@@ -57,12 +65,14 @@ PURPOSE = QUARANTINE
 class Quarantine:
     """``secret``: the job secret (default: from the environment, :func:`resilient.secret.require_secret`)."""
 
+    KIND = "quarantine"   # the records' directory under /resilient/<run>/
+
     def __init__(self, client: EtcdClient, run_id: str, secret: JobSecret | bytes | None = None, events: Any = None):
         self.client = client
         self.run_id = run_id
         self._secret = JobSecret.of(secret) if secret is not None else None
         self.events = events
-        self.prefix = f"/resilient/{run_id}/quarantine/"
+        self.prefix = f"/resilient/{run_id}/{self.KIND}/"
 
     @property
     def secret(self) -> JobSecret:
@@ -112,6 +122,14 @@ class Quarantine:
                 f"node {node!r} is quarantined since {since} ({record.get('reason', 'silent data corruption')}, "
                 f"device {record.get('device', '?')}); after checking or replacing its hardware, clear it with "
                 f"`resilient quarantine clear {node} --rdzv-endpoint {endpoint} --run-id {self.run_id}`")
+
+
+class SlowMarks(Quarantine):
+    """Nodes marked slow by the fail-slow ``replace`` policy (module doc): records as a
+    quarantine's, in their own directory, so a marked node is never refused a start: its
+    agent probes it and clears the mark when it is healthy."""
+
+    KIND = "slow"
 
 
 def main(argv: list[str]) -> int:

@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from resilient.agent.membership import read_registry
+from resilient.agent.membership import RegistryReader
 from resilient.secret import JobSecret, require_secret
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions
 from resilient.snapshot.nodestore import NodeStore
@@ -57,6 +57,7 @@ class NodeStoreService:
             log.warning("reclaimed stale node stores of this job: %s", reclaimed)
         self.client = client_factory()
         self.secret = secret
+        self._registry = RegistryReader(self.client, run_id, secret, events)
         self.secret_file = private_dir / "job.secret"
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -74,7 +75,7 @@ class NodeStoreService:
 
     def live_nodes(self) -> dict[str, dict] | None:
         try:
-            return read_registry(self.client, self.run_id, self.secret, self.events)
+            return self._registry()
         except Exception as e:  # unknown is not dead
             log.debug("node registry unreachable: %s", e)
             return None

@@ -298,22 +298,34 @@ class EtcdClient:
         kvs = resp.get("kvs") or []
         return _kv(kvs[0]) if kvs else None
 
+    # etcd refuses a transaction of more operations than its --max-txn-ops (default 128).
+    MAX_TXN_OPS = 128
+
     def get_many(self, keys: Sequence[bytes | str]) -> list[KeyValue | None]:
-        """Read several keys at one revision, in one round trip (a compare-less txn)."""
-        if not keys:
-            return []
-        reads = [{"request_range": {"key": _b64(k)}} for k in keys]
-        resp = self.txn([], reads, [])
+        """Read several keys in one round trip (a compare-less txn) per :attr:`MAX_TXN_OPS`
+        keys; each batch is read at one revision."""
         out: list[KeyValue | None] = []
-        for r in resp.get("responses") or []:
-            kvs = _response(r, "range").get("kvs")
-            out.append(_kv(kvs[0]) if kvs else None)
+        for i in range(0, len(keys), self.MAX_TXN_OPS):
+            reads = [{"request_range": {"key": _b64(k)}} for k in keys[i:i + self.MAX_TXN_OPS]]
+            for r in self.txn([], reads, []).get("responses") or []:
+                kvs = _response(r, "range").get("kvs")
+                out.append(_kv(kvs[0]) if kvs else None)
         return out
 
     def get_prefix(self, prefix: bytes | str) -> list[KeyValue]:
         """All keys starting with ``prefix``, in key order."""
         resp = self._post("/kv/range", _range(prefix), f"get prefix {prefix!r}")
         return [_kv(kv) for kv in resp.get("kvs") or []]
+
+    def prefix_changes(self, prefix: bytes | str, since: int) -> tuple[int, int, int]:
+        """(keys under ``prefix``, of them modified after revision ``since``, the cluster's
+        revision now), in one small request: whether a cached read of the prefix is stale."""
+        # keys_only, not count_only: etcd counts before it applies min_mod_revision.
+        ops = [{"request_range": {**_range(prefix), "count_only": True}},
+               {"request_range": {**_range(prefix), "keys_only": True, "min_mod_revision": int(since) + 1}}]
+        resp = self.txn([], ops, [])
+        reads = [_response(r, "range") for r in resp.get("responses") or []] + [{}, {}]
+        return int(reads[0].get("count", 0)), len(reads[1].get("kvs") or []), int(resp["header"]["revision"])
 
     def count_prefix(self, prefix: bytes | str) -> int:
         body = {**_range(prefix), "count_only": True}

@@ -5,6 +5,7 @@
 - :mod:`~resilient.failslow.detector`: robust scores across ranks and against each rank's history
 - :mod:`~resilient.failslow.policy`: the cost model (act only when acting pays)
 - :mod:`~resilient.failslow.monitor`: the exchange on the step boundary's all-reduce
+- :mod:`~resilient.failslow.replace`: the ``replace`` policy: a seat handed over, a node marked and let back
 """
 
 from resilient.failslow.api import CAUSES, PHASES, FailSlowConfig, FailSlowError, Straggler

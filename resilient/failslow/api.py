@@ -17,9 +17,9 @@ from resilient.configbase import knob
 from resilient.errors import ConfigError, ResilientError
 
 CAUSES = ("device", "link", "host")
-# "replace" (hand the slow node's seat to a spare, or shrink, when the cost model says it
-# pays) is issue 26's next step: the decision and its arithmetic are already in every event.
-POLICIES = ("report",)
+# report: a `straggler` event only; replace: also hand the slow node's seat to a warm spare
+# (or shrink) when the cost model says it pays (resilient.failslow.policy, .replace)
+POLICIES = ("report", "replace")
 
 # The numbers each rank contributes per step, in this order: seconds of the step
 # interval spent computing, blocked in collectives (waiting for the others), loading data
@@ -42,9 +42,11 @@ class FailSlowConfig:
     warmup: int = knob(8, "steps each rank's own baseline is learnt over before anything is judged (a pipeline's last stage computes more than the others: that is its normal)")
     threshold: float = knob(1.1, "smallest slowdown factor (against the other ranks, relative to the rank's own baseline) that adds evidence")
     evidence: float = knob(1.5, "evidence (a CUSUM of log slowdown factors beyond `threshold`, fed by the median of the last 3 steps) that raises a straggler event: a 2x slow rank needs ~4 steps, a 1.3x one ~11 (bench/failslow.py)")
-    policy: str = knob("report", "what to do about a straggler: report (a `straggler` event carrying the cost model's decision: would replacing the slow node pay over the remaining run?)", choices=POLICIES)
+    policy: str = knob("report", "what to do about a straggler: report (a `straggler` event carrying the cost model's decision: would replacing the slow node pay over the remaining run?) or replace (when it pays and the cause is a device or host: the slow node leaves, marked, and a warm spare takes its seat, or the job shrinks above its minimum nodes; never for a link)", choices=POLICIES)
     reform_seconds: float = knob(0.0, "cost model: seconds a re-form costs the whole job; 0 = measured (this worker's time from process start to its first step)")
     min_remaining_steps: int = knob(0, "cost model: never act with fewer steps left than this (0: the arithmetic alone decides)")
+    rejoin_probes: int = knob(3, "replace: healthy compute probes in a row a node marked slow needs before it rejoins (as a spare)")
+    rejoin_interval: float = knob(5.0, "replace: seconds between a marked node's compute probes")
 
     def validate(self, source: str = "[failslow]") -> None:
         """Raise :class:`ConfigError` for values that cannot work."""
@@ -56,6 +58,10 @@ class FailSlowConfig:
             raise ConfigError(f"{source}: threshold = {self.threshold}; a slowdown factor must be > 1 (e.g. 1.1)")
         if not self.evidence > 0:
             raise ConfigError(f"{source}: evidence = {self.evidence}; it must be > 0 (e.g. 2.0)")
+        if self.rejoin_probes < 1:
+            raise ConfigError(f"{source}: rejoin_probes = {self.rejoin_probes}; a marked node needs ≥ 1 healthy probe to rejoin")
+        if not self.rejoin_interval > 0:
+            raise ConfigError(f"{source}: rejoin_interval = {self.rejoin_interval}; give the seconds between probes (> 0, e.g. 5)")
         if self.reform_seconds < 0:
             raise ConfigError(f"{source}: reform_seconds = {self.reform_seconds}; use 0 for measured or a positive number")
 

@@ -2,14 +2,18 @@
 
 The job already runs one small gloo all-reduce per step (every rank agrees on a
 preemption's last step, :meth:`Job._stop_agreed`). :class:`FailSlowMonitor`
-owns that exchange: every ``every`` steps the tensor carries, besides the stop
-flag, each rank's five timing numbers (:data:`~resilient.failslow.api.PHASES`)
-in its own slot (a MAX all-reduce of non-negative numbers over zeros is a
-gather), so the timings cost no collective of their own: 48 bytes per rank per
-exchange. Each exchange carries the step that just ended (no lag: a verdict
-at the boundary after step *s* has seen step *s*); the exchange's own wait,
-where fast ranks wait for a slow one when the loop has no collective of its
-own, counts in the next interval.
+owns that exchange, and every ``every`` steps sends each rank's six timing
+numbers (:data:`~resilient.failslow.api.PHASES`) in its own slot of a second,
+*asynchronous* all-reduce on the same gloo group (a MAX all-reduce of
+non-negative numbers over zeros is a gather): 48 bytes per rank, launched at
+the boundary after step *s*, travelling while step *s + 1* computes, read and
+judged at the next boundary (one step of lag: a verdict at the boundary after
+step *s + 1* has seen step *s*). The step boundary itself only waits for the
+one-element stop flag, as before: the timings' own all-reduce (a ring of
+messages, each a context switch on oversubscribed cores: measured 3.2 ms, 5.6%
+of a 57 ms step, when it rode on the flag's) is off the training thread's path.
+The exchange's own wait, where fast ranks wait for a slow one when the loop has
+no collective of its own, counts in the next interval.
 
 Every rank runs the same :class:`~resilient.failslow.detector.Detector` on the
 same numbers, so every rank reaches the same verdict at the same step; rank 0
@@ -17,6 +21,15 @@ writes the ``straggler`` event with the policy's decision and arithmetic. A
 suspected link is probed first (:mod:`~resilient.failslow.probe`, every rank
 together, once per suspicion): a process slow inside the collectives looks
 like a slow link from the step timings alone.
+
+Under ``failslow.policy = "replace"`` a verdict that pays (:mod:`~.policy`) and
+has a seat to hand over (each rank's agent says whether a warm spare waits or
+the job may shrink: :mod:`~.replace`) is first confirmed by the probe (the slow
+ranks' compute must be slow there too), then acted on: every rank stops after
+the same step (the exchange says stop, as for a preemption), saves it, and
+leaves; the slow node's ranks leave with :data:`SLOW_EXIT`, so their agent marks
+the node and hands its seat over, the others with ``PEER_LEFT_EXIT``, so theirs
+re-form at once.
 """
 
 from __future__ import annotations
@@ -31,7 +44,8 @@ import torch.distributed as dist
 from resilient.failslow.api import PHASES, FailSlowConfig, Straggler
 from resilient.failslow.detector import WALL, Detector
 from resilient.failslow.policy import Decision, decide
-from resilient.failslow.probe import judge, run_probe
+from resilient.failslow.probe import SLOW_COMPUTE, judge, run_probe
+from resilient.failslow.replace import agree, note_leaving
 from resilient.failslow.timing import CollectiveClock, StepTimer
 
 N = len(PHASES)
@@ -63,20 +77,25 @@ class FailSlowMonitor:
             self.nodes = [str(n) for n in gathered]
             self.detector = Detector(cfg, self.nodes)
         self._flag = torch.zeros(1, dtype=torch.float64)
-        self._buf = torch.zeros(1 + N * world, dtype=torch.float64) if self.detector is not None else None
+        self._judge = self.detector is not None
+        self._inflight: tuple[Any, torch.Tensor, int] | None = None   # (work, timings, step) launched, not read
+        self._boundary = 0   # the step of the boundary being run (what every rank saves if it stops)
         self._pending = [0.0] * N
         self._calls = 0
         self.total_steps: int | None = None    # the run's length, for the cost model (Job.steps sets it)
         self.reform_seconds = cfg.reform_seconds or None
         self.stragglers: list[tuple[Straggler, Decision]] = []
         self.history: list | None = None   # a list to keep every (step, timing matrix) in (bench/failslow.py)
+        self.replacing: dict | None = None   # replace: what every rank stops for (the failslow_replace fields)
+        self.leaving = False                 # ... and this rank's node is the one that leaves
 
     def phase(self, name: str) -> ContextManager[None]:
         return self.timer.phase(name)
 
     def exchange(self, stop: bool, step: int) -> bool:
-        """The step boundary's all-reduce: the stop flag agreed by every rank (and, when
-        due, the timings judged). Collective."""
+        """The step boundary: the stop flag agreed by every rank (a one-element all-reduce, as
+        ever), and, when due, this step's timings sent off asynchronously: they travel while
+        the next step computes and are judged at the next boundary (module doc). Collective."""
         lap = self.timer.lap()   # the step that just ended (the previous exchange's wait included)
         if self._calls == 0:
             # the time before the first exchange is start-up, not a step
@@ -84,25 +103,31 @@ class FailSlowMonitor:
                 self.reform_seconds = process_age_seconds()
         else:
             self._pending = [a + b for a, b in zip(self._pending, lap)]
-        due = self._buf is not None and self._calls > 0 and self._calls % self.cfg.every == 0
+        due = self._judge and self._calls > 0 and self._calls % self.cfg.every == 0
         self._calls += 1
-        if due:
-            buf = self._buf
-            buf.zero_()
-            buf[1 + N * self.rank: 1 + N * (self.rank + 1)] = torch.tensor(self._pending, dtype=torch.float64)
-        else:
-            buf = self._flag
-        buf[0] = float(stop)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
-        agreed = bool(buf[0].item())
-        if due:
-            self._pending = [0.0] * N
-            rows = buf[1:].view(self.world, N).tolist()
+        self._boundary = step
+        if self._inflight is not None:
+            # the timings sent at the last due boundary: every rank reads and judges them here,
+            # before anything else on the group (a verdict's probe is collective too)
+            work, buf, sent = self._inflight
+            self._inflight = None
+            work.wait()
+            rows = buf.view(self.world, N).tolist()
             if self.history is not None:
-                self.history.append((step, rows))
-            for s in self.detector.observe(step, rows):
+                self.history.append((sent, rows))
+            for s in self.detector.observe(sent, rows):
                 self._verdict(s, rows)
-        return agreed
+        self._flag[0] = float(stop)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+        agreed = bool(self._flag[0].item())
+        if due:
+            buf = torch.zeros(N * self.world, dtype=torch.float64)
+            buf[N * self.rank: N * (self.rank + 1)] = torch.tensor(self._pending, dtype=torch.float64)
+            self._pending = [0.0] * N
+            # a MAX all-reduce of non-negative numbers over zeros is a gather
+            self._inflight = (dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True), buf, step)
+        # a replace decision stops every rank after this step, as a preemption does (Job.finish)
+        return agreed or self.replacing is not None
 
     def _probed(self, s: Straggler) -> Straggler | None:
         """A suspected link, probed: a slow device or host after all, the link located, or
@@ -149,13 +174,51 @@ class FailSlowMonitor:
             s = self._host_or_device(s)
         step_seconds = median(r[WALL] for r in rows) / self.cfg.every
         remaining = self.total_steps - s.step if self.total_steps is not None else None
-        d = decide(self.cfg, s, step_seconds=step_seconds, remaining_steps=remaining,
-                   reform_seconds=self.reform_seconds or 0.0)
+        reform, seat = self.reform_seconds or 0.0, None
+        if self.cfg.policy == "replace" and self.replacing is None and s.cause != "link":
+            # collective: every rank reached this verdict from the same numbers, and must weigh
+            # the same re-form cost (each measured its own start)
+            seat, reform = agree(self.group, reform)
+        d = decide(self.cfg, s, seat=seat, step_seconds=step_seconds, remaining_steps=remaining,
+                   reform_seconds=reform)
+        if d.action == "replace":
+            d = self._confirm(s, d)
         self.stragglers.append((s, d))
         if self.rank == 0:
             self.events.emit("straggler", **s.event_fields(), decision=d.fields())
+        if self.replacing is not None and self.leaving and self.rank == self.nodes.index(s.slow_node):
+            self.events.emit("failslow_replace", **self.replacing)   # the node's agent reads it (replace.py)
+
+    def _confirm(self, s: Straggler, d: Decision) -> Decision:
+        """Before a node is sent away: the probe (collective) must find its ranks' compute slow
+        too, beside the others' (a verdict on a rank that was starved, not slow, is not acted
+        on). The others' probe time is the reference the node must meet to rejoin."""
+        compute = s.evidence.get("probe_compute_seconds")
+        if compute is None:
+            compute, _ = run_probe(self.group, self.rank, self.world, self.device)
+            self.timer.lap()   # the probe is no step's time
+        healthy = [c for r, c in enumerate(compute) if self.nodes[r] != s.slow_node]
+        reference = median(healthy) if healthy else None
+        slowest = max(compute[r] for r in s.slow_ranks)
+        ratio = slowest / reference if reference else None
+        if ratio is None or ratio < SLOW_COMPUTE:
+            d.action = "report"
+            d.reason += (f"; not replaced: the probe did not find node {s.slow_node}'s compute slow "
+                         f"(x{ratio:.2f} < {SLOW_COMPUTE})" if ratio is not None else
+                         "; not replaced: no other node to probe against")
+            return d
+        d.reason += f" (the probe confirms: x{ratio:.2f})"
+        # every rank stops after the step of this boundary (the verdict judged an earlier one)
+        self.replacing = {"step": self._boundary, "verdict_step": s.step, "slow_node": s.slow_node, "slow_ranks": s.slow_ranks, "cause": s.cause,
+                          "factor": round(s.factor, 4), "seat": d.seat, "probe_seconds": round(slowest, 6),
+                          "reference_seconds": round(reference, 6), "device": str(self.device or "cpu")}
+        self.leaving = self.nodes[self.rank] == s.slow_node
+        if self.leaving:
+            note_leaving(self.replacing)
+        return d
 
     def close(self) -> None:
+        self.timer.close()
         if self.clock is not None:
             self.clock.uninstall()
             self.clock = None

@@ -37,13 +37,14 @@ SLOW_COMPUTE = 1.3    # a rank's probe compute this much slower than the median:
 SLOW_EDGE = 10.0      # an edge this much slower than the median edge: slow (a lossy link: 100x; noise on a loaded host: up to ~5x)
 
 
-def run_probe(group: Any, rank: int, world: int, device: Any = None) -> tuple[list[float], list[float]]:
-    """Collective over ``group``: (compute seconds per rank on ``device``, seconds of the
-    edge into each rank)."""
+def compute_seconds(device: Any = None) -> float:
+    """The probe's compute alone, on this process: seconds of ``COMPUTE_REPS`` small matrix
+    products on one thread of ``device``, minus this thread's run-queue delay (a shared
+    host's CPU contention is not the device's own slowness). Also what a node marked slow
+    runs before it may rejoin (:mod:`~resilient.failslow.replace`)."""
     import os
 
     import torch
-    import torch.distributed as dist
 
     device = torch.device(device or "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
@@ -58,11 +59,20 @@ def run_probe(group: Any, rank: int, world: int, device: Any = None) -> tuple[li
         for _ in range(COMPUTE_REPS):
             a = (a @ a).clamp_(-1, 1)
         sync(device)
-        compute = max(0.0, time.perf_counter() - t0 - (run_delay(fd) - q0))
+        return max(0.0, time.perf_counter() - t0 - (run_delay(fd) - q0))
     finally:
         torch.set_num_threads(threads)
         if fd is not None:
             os.close(fd)
+
+
+def run_probe(group: Any, rank: int, world: int, device: Any = None) -> tuple[list[float], list[float]]:
+    """Collective over ``group``: (compute seconds per rank on ``device``, seconds of the
+    edge into each rank)."""
+    import torch
+    import torch.distributed as dist
+
+    compute = compute_seconds(device)
     left, right = (rank - 1) % world, (rank + 1) % world
     send = torch.zeros(PAYLOAD // 4, dtype=torch.float32)
     recv = torch.empty_like(send)

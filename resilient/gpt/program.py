@@ -63,7 +63,8 @@ def gpt_program(args: argparse.Namespace) -> Program:
         return ["--config", str(write_config(cfg, run_dir)), "--run-dir", str(run_dir), "--node", node]
 
     return Program(entry=GPT_ENTRY, preload=GPT_PRELOAD,
-                   runtime=RuntimeConfig(snapshot=cfg.snapshot, launch=cfg.launch, sdc=cfg.sdc, source=cfg.source),
+                   runtime=RuntimeConfig(snapshot=cfg.snapshot, launch=cfg.launch, sdc=cfg.sdc, failslow=cfg.failslow,
+                                         source=cfg.source),
                    job_digest=cfg.job_digest(), nproc=cfg.default_world_size(),
                    describe=f"{cfg.model.num_params() / 1e6:.2f}M parameters", name=Path(args.config).stem,
                    heartbeats=True, argv=argv, params=cfg.model.num_params(), device=cfg.train.device)

@@ -49,7 +49,7 @@ from torch import nn
 
 from resilient.agent.api import NODE_ID_ENV, NOT_DURABLE_EXIT, PEER_LEFT_EXIT
 from resilient.agent.heartbeat import HeartbeatWriter
-from resilient.agent.quarantine import QUARANTINE_EXIT
+from resilient.agent.quarantine import QUARANTINE_EXIT, SLOW_EXIT
 from resilient.events import EventLog
 from resilient.failslow.monitor import FailSlowMonitor
 from resilient.job.api import (
@@ -476,7 +476,9 @@ class Job:
             self.keeper.after_step(step, self._rank_extra, lambda: self._global_extra(step))
         if self.progress:
             if self.progress.due(step):
-                self.progress.set("committed", committed_text(step, self.keeper.committed(), self.config.snapshot))
+                self.progress.set("committed", committed_text(step, self.keeper.committed(), self.keeper.intervals()))
+                if self.keeper.auto is not None:   # snapshot intervals chosen as the job runs
+                    self.progress.set("every", self.keeper.interval_text())
             self.progress.update(step, loss if loss is not None else float("nan"), fields.get("tokens_per_s"),
                                  fields.get("mfu"), seconds=fields["seconds"])
         self._t_step = time.perf_counter()
@@ -533,9 +535,13 @@ class Job:
                 raise SystemExit(NOT_DURABLE_EXIT) from e
         if self.stop_requested and not self.signalled and os.environ.get(NODE_ID_ENV):
             # Stopped for another node's preemption: saved with it; this node stays, and its
-            # agent re-forms the job without the leaver (PEER_LEFT_EXIT: not a failure).
-            self.events.emit("run_end", step=self.step, preempted=True, peer_left=True)
-            raise SystemExit(PEER_LEFT_EXIT)
+            # agent re-forms the job without the leaver (PEER_LEFT_EXIT: not a failure). A
+            # fail-slow replace stops every rank the same way; the slow node's leave with
+            # SLOW_EXIT, so their agent marks the node and hands its seat over.
+            slow = self.failslow.replacing
+            self.events.emit("run_end", step=self.step, preempted=slow is None, peer_left=True,
+                             **({"replaced": slow["slow_node"]} if slow else {}))
+            raise SystemExit(SLOW_EXIT if self.failslow.leaving else PEER_LEFT_EXIT)
         if self.stop_requested:
             self.events.emit("run_end", step=self.step, preempted=True)
             if self.rank == 0:   # what the preemption did, in one line of ours

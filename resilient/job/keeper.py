@@ -13,6 +13,10 @@
 
 Without the agent (plain ``torchrun`` or ``python``) only the durable tier runs.
 
+A tier whose interval is ``"auto"`` is due when :class:`~resilient.snapshot.interval.AutoSchedule`
+says (every rank agrees), from what its versions cost: the keeper times each capture, taps the
+durable uploads' throughput, and reads the agent's push and commit costs from the node store.
+
 The keeper knows nothing of models: it saves and restores whatever dict of
 tensors and JSON values ``state_fn()`` returns (global names, DTensor shards
 resharded on restore) and calls ``load_fn(state)`` once a restore has written
@@ -23,6 +27,7 @@ trainer goes through the same ``Job``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +38,8 @@ from resilient.events import EventLog
 from resilient.sdc.checksums import local as _local
 from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter
 from resilient.snapshot.api import StorageError
-from resilient.snapshot.config import SnapshotConfig
+from resilient.snapshot.config import AUTO, SnapshotConfig
+from resilient.snapshot.interval import HISTORY_KEY, AutoSchedule, Intervals, schedule_group
 from resilient.snapshot.flatten import iter_leaves
 from resilient.snapshot.restore import restore_candidates
 from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
@@ -56,6 +62,20 @@ class _ErrorsOnly:
         if kind == "upload_error" and not str(fields.get("error", "")).startswith(("FileNotFoundError",
                                                                                   "FileExistsError")):
             self.events.emit(kind, tier="local", **fields)
+
+
+@dataclass
+class _UploadTap:
+    """The durable writer's events, passed on; each upload's size and duration kept (the
+    durable tier's link, for an auto interval)."""
+
+    events: EventLog
+    last: tuple[float, float] = (0.0, 0.0)   # bytes, seconds of the newest upload
+
+    def emit(self, kind: str, **fields) -> None:
+        if kind == "upload":
+            self.last = (float(fields.get("bytes") or 0), float(fields.get("seconds") or 0))
+        self.events.emit(kind, **fields)
 
 
 def durable_url(cfg: SnapshotConfig, run_dir: Path) -> str:
@@ -95,27 +115,64 @@ class StateKeeper:
         mark = Marks(self.setup_timings)
         self.last_saved = -1
         self.durable_step = -1  # newest step captured for (or restored from) the durable tier
-        self.store = StoreInfo.from_env() if cfg.every > 0 and cfg.memory else None
+        self.store = StoreInfo.from_env() if cfg.memory_on else None
         self.memory: Snapshotter | None = None
         if self.store is not None:
             # tmpfs: nothing to compress, little to retry; a full store must not stall the writer.
             self.memory = Snapshotter(
-                self.store.store.url, every=cfg.every, events=_ErrorsOnly(events), layout=layout,
-                config_digest=config_digest, compress="none", threads=2, chunk_bytes=cfg.chunk_mib << 20,
+                self.store.store.url, every=0 if cfg.every == AUTO else cfg.every, events=_ErrorsOnly(events),
+                layout=layout, config_digest=config_digest, compress="none", threads=2, chunk_bytes=cfg.chunk_mib << 20,
                 part_bytes=cfg.part_mib << 20, commit=False,
                 retry=RetryPolicy(deadline=timedelta(seconds=2), attempts=2))
         self.durable: Snapshotter | None = None
         mark("memory_tier")
+        self._tap = _UploadTap(events) if cfg.durable_every == AUTO else None
         if cfg.durable_every or cfg.durable_seconds or cfg.resume:
             # One capture feeds both tiers: the durable writer shares the RAM store's buffers.
             self.durable = Snapshotter.from_config(
-                cfg, durable_url(cfg, run_dir), events=events, layout=layout,
+                cfg, durable_url(cfg, run_dir), events=self._tap or events, layout=layout,
                 config_digest=config_digest, share_with=self.memory)
+        # "auto" intervals: chosen as the job runs, the same on every rank (one all-reduce per choice)
+        auto = tuple(t for t in cfg.auto_tiers if (self.memory if t == "memory" else self.durable) is not None)
+        self.auto = AutoSchedule(cfg, auto, events, self.rank, schedule_group(cfg, self._world())) if auto else None
         mark("durable_tier")
 
     @property
     def rank(self) -> int:
-        return self.durable.rank if self.durable is not None else 0
+        writer = self.durable or self.memory
+        return writer.rank if writer is not None else 0
+
+    def _world(self) -> int:
+        writer = self.durable or self.memory
+        return writer.world if writer is not None else 1
+
+    def _due(self, tier: str, step: int) -> bool:
+        """Whether ``tier`` takes a version at ``step``: its fixed interval, or the auto choice."""
+        writer = self.memory if tier == "memory" else self.durable
+        if writer is None:
+            return False
+        if self.auto is not None and tier in self.auto.tiers:   # (the writer's own every is 0)
+            return self.auto.due(tier, step) or writer.due(step)
+        return writer.due(step)
+
+    def _history(self, global_extra: Callable[[], Any], ended: bool = False) -> Callable[[], Any]:
+        """``global_extra`` plus, with auto intervals, what the next incarnation takes up
+        (the intervals, failures and training time: :meth:`AutoSchedule.history`)."""
+        if self.auto is None:
+            return global_extra
+
+        def with_history() -> Any:
+            g = global_extra()
+            return {**g, HISTORY_KEY: self.auto.history(ended)} if isinstance(g, dict) else g
+        return with_history
+
+    def intervals(self) -> Intervals:
+        """Each tier's interval now (the auto choice where ``"auto"``)."""
+        return Intervals.of(self.cfg, self.auto)
+
+    def interval_text(self) -> str:
+        """The auto intervals for the progress line; empty when every interval is fixed."""
+        return self.auto.text() if self.auto is not None else ""
 
     # ------------------------------------------------------------ restore
     def restore(self, max_step: int | None = None, fresh: bool = False,
@@ -156,6 +213,11 @@ class StateKeeper:
                 pass
         if restored is None:
             return None
+        if self.auto is not None:
+            g = restored.global_extra
+            self.auto.restored(restored.step, g.get(HISTORY_KEY) if isinstance(g, dict) else None,
+                               max((s for s in on_durable if s <= restored.step), default=None),
+                               rollback=max_step is not None)
         t1 = time.perf_counter()
         self.load_fn(state)   # the dict the restore wrote into: JSON leaves were assigned in it
         self.timings["load"] = round(time.perf_counter() - t1, 4)
@@ -190,10 +252,12 @@ class StateKeeper:
         """After a restore from a memory tier at ``step``: write the durable version that was due
         there if the lost run had not made it durable yet (a crash between the RAM commit and
         the upload), so the durable history has no gap. Returns whether it saved."""
-        if self.durable is None or self.durable_step >= step or not self.durable.due(step):
+        if self.durable is None or self.durable_step >= step or not self._due("durable", step):
             return False
-        self.durable.save(step, self.state_fn(), extra=extra(), global_extra=global_extra(), force=True)
+        self.durable.save(step, self.state_fn(), extra=extra(), global_extra=self._history(global_extra)(), force=True)
         self.durable_step = step
+        if self.auto is not None and "durable" in self.auto.tiers:
+            self.auto.tiers["durable"].last = step   # the next durable version counts from here
         return True
 
     # --------------------------------------------------------------- save
@@ -202,13 +266,17 @@ class StateKeeper:
         """Called after optimizer step ``step`` (completed steps): capture into each tier that
         is due. ``extra()`` is this rank's JSON state, ``global_extra()`` the run's (rank 0's kept);
         both are called only when a capture happens."""
+        if self.auto is not None:
+            self.auto.step_ended()
         if step == self.last_saved:
             return
-        durable = self.durable is not None and (force or self.durable.due(step))
-        memory = self.memory is not None and (force or self.memory.due(step))
+        durable = self.durable is not None and (force or self._due("durable", step))
+        memory = self.memory is not None and (force or self._due("memory", step))
         if not (durable or memory):
             return
+        t0 = time.perf_counter()
         state = self.state_fn()
+        global_extra = self._history(global_extra, ended=force)   # force: the end-of-run save (final)
         if memory:
             self.memory.save(step, state, extra=extra(), global_extra=global_extra(), force=True,
                              also=(self.durable,) if durable else ())
@@ -217,6 +285,22 @@ class StateKeeper:
         if durable:
             self.durable_step = step
         self.last_saved = step
+        if self.auto is not None:
+            self.auto.captured(step, tuple(t for t, on in (("memory", memory), ("durable", durable)) if on),
+                               time.perf_counter() - t0)
+            if not force:   # the last save of a run chooses nothing (and needs no collective)
+                self._measure_links()
+                self.auto.maybe_choose(step)
+
+    def _measure_links(self) -> None:
+        """The newest link costs: the durable uploads' (tapped), the agent's pushes and etcd
+        commits (published in the node store beside its commits, :mod:`.memcommit`)."""
+        if self._tap is not None:
+            self.auto.link("durable", *self._tap.last)
+        if self.store is not None and "memory" in self.auto.tiers:
+            got = self.store.store.read_committed()
+            self.auto.link("memory", got.get("push_bytes", 0), got.get("push_us", 0) / 1e6,
+                           got.get("commit_us", 0) / 1e6)
 
     def final(self, step: int, extra: Callable[[], Any], global_extra: Callable[[], Any],
               timeout: timedelta = timedelta(minutes=10)) -> None:
@@ -228,7 +312,8 @@ class StateKeeper:
             self.after_step(step, extra, global_extra, force=True)  # every tier
         elif self.durable_step != step:  # memory has it, durable not yet
             self.durable_step = step
-            self.durable.save(step, self.state_fn(), extra=extra(), global_extra=global_extra(), force=True)
+            self.durable.save(step, self.state_fn(), extra=extra(), global_extra=self._history(global_extra, True)(),
+                              force=True)
         if self.memory is not None:
             self.memory.wait(timeout)
         self.durable.wait(timeout)
@@ -243,7 +328,8 @@ class StateKeeper:
     def committed(self) -> dict[str, int]:
         """The newest committed step per tier this process can see (for the progress line):
         ``local``/``peer`` from the agent, ``durable`` from this rank's committer (rank 0)."""
-        out = dict(self.store.store.read_committed()) if self.store is not None else {}
+        got = self.store.store.read_committed() if self.store is not None else {}
+        out = {t: s for t, s in got.items() if t in ("local", "peer")}   # (not the agent's costs)
         if self.durable is not None and self.durable.committed_step is not None:
             out["durable"] = self.durable.committed_step
         return out

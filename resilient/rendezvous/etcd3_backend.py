@@ -189,8 +189,9 @@ class Etcd3Store(dist.Store):
 
     Used by torch's elastic agent for small, infrequent exchanges (master
     address and port, rank assignment, exit barriers), never by training
-    traffic. Blocking calls poll with a short backoff (capped at 50 ms) and
-    read all awaited keys in one request.
+    traffic. Blocking calls poll with a short backoff (capped at 50 ms, and at
+    ``slow_poll`` once a wait lasts past a second) and read all awaited keys in one
+    request per 128.
 
     ``guard``, when set (the etcd3 handler sets it to its ``round_lost``), is
     asked every ``guard_interval`` while a wait is unmet: keys a dead member
@@ -200,6 +201,7 @@ class Etcd3Store(dist.Store):
 
     guard: Callable[[], str | None] | None = None
     guard_interval: timedelta = timedelta(seconds=0.5)
+    slow_poll: timedelta = timedelta(seconds=0.5)  # how often a wait past its first second polls
 
     def __init__(
         self,
@@ -266,6 +268,11 @@ class Etcd3Store(dist.Store):
 
         return _translate(f"store compare_set {key}", cas, self.lease)
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+        """Blocks until every key exists; their values, read together (one request per poll,
+        not one per key: N agents reading each other's keys cost N, not N², requests)."""
+        return self._wait(keys, self.timeout)
+
     def check(self, keys: list[str]) -> bool:  # type: ignore[override]
         kvs = _translate("store check", lambda: self.client.get_many([self._k(k) for k in keys]))
         return all(kv is not None for kv in kvs)
@@ -302,4 +309,8 @@ class Etcd3Store(dist.Store):
                     f"{timeout.total_seconds():.1f} s; a peer agent is missing or slow"
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.05)
+            # Fast at first (a barrier's keys usually come within milliseconds); a wait that
+            # lasts is for a slow peer, and N agents polling at 20/s each swamp etcd at
+            # hundreds of nodes (bench/scale.py, 512 nodes: 10k reads a second).
+            waited = timeout.total_seconds() - (deadline - time.monotonic())
+            delay = min(delay * 2, 0.05 if waited < 1.0 else self.slow_poll.total_seconds())

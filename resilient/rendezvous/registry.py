@@ -39,6 +39,9 @@ keep_alive_interval, keep_alive_max_attempt
 poll_interval        how often a joining (or waiting spare) node reads the
                      shared state (default 0.1; torch's: 1); see handler.py
 share_tcp_store      default false; see below
+handler              torch (default: torch's DynamicRendezvousHandler on one
+                     state key) or keys (:mod:`.keyed`: a key per node, for
+                     fleets of hundreds of nodes; same interface)
 ===================  =========================================================
 
 The shared TCP store trap (torch 2.13): by default the rank-0 agent hosts one
@@ -190,13 +193,19 @@ def create_backend(params: RendezvousParameters) -> tuple[Etcd3RendezvousBackend
     return backend, store
 
 
-def _create_handler(params: RendezvousParameters) -> ResilientRendezvousHandler:
+def _create_handler(params: RendezvousParameters) -> Any:
     if not params.get_as_bool("share_tcp_store", False):
         if os.environ.get(SHARE_STORE_ENV) == "0":
             log.warning("%s=0 was set explicitly; the etcd3 rendezvous overrides it to 1 "
                         "(pass share_tcp_store=true to keep the shared store)", SHARE_STORE_ENV)
         os.environ[SHARE_STORE_ENV] = "1"
+    kind = _opt(params, "handler") or "torch"
+    if kind not in ("torch", "keys"):
+        raise RendezvousConfigError(f"--rdzv-conf handler={kind!r}: use 'torch' (one state key, the default) "
+                                    "or 'keys' (a key per node, for large fleets)")
     backend, store = create_backend(params)
+    if kind == "keys":
+        return _keyed_handler(params, backend, store)
     timeout = RendezvousTimeout(
         join=_seconds(params, "join_timeout", None),
         last_call=_seconds(params, "last_call_timeout", None),
@@ -218,11 +227,29 @@ def _create_handler(params: RendezvousParameters) -> ResilientRendezvousHandler:
     )
     handler.poll = _seconds(params, "poll_interval", 0.1)  # type: ignore[assignment]
     install_fast_polling()
+    _guard_store(store, handler)
+    return handler
+
+
+def _guard_store(store: Etcd3Store, handler: Any) -> None:
     # Store waits on a round's members end as soon as the round is lost (see handler.py).
     # A weak reference: the store must not keep a dropped handler (and its keep-alive
     # timer, which torch ties to the handler's lifetime) alive.
     ref = weakref.WeakMethod(handler.round_lost)
     store.guard = lambda: (lambda m: m() if m is not None else None)(ref())
+
+
+def _keyed_handler(params: RendezvousParameters, backend: Etcd3RendezvousBackend, store: Etcd3Store) -> Any:
+    from resilient.rendezvous.keyed import KeyedRendezvousHandler, KeyedSettings
+
+    settings = KeyedSettings(params.min_nodes, params.max_nodes)
+    for name, key in (("join_timeout", "join_timeout"), ("last_call", "last_call_timeout"), ("poll", "poll_interval")):
+        value = _seconds(params, key, None)
+        if value is not None:
+            setattr(settings, name, value)
+    handler = KeyedRendezvousHandler(params.run_id, backend.client, store, backend.lease, backend.secret, settings,
+                                     key_prefix=backend.key.rsplit("/", 2)[0], local_addr=params.local_addr)
+    _guard_store(store, handler)
     return handler
 
 

@@ -2,18 +2,45 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from resilient.configbase import knob
+from resilient.errors import ConfigError
+
+# ``snapshot.every`` / ``snapshot.durable_every`` = "auto": the interval is chosen while the job
+# runs (resilient.snapshot.interval), from what a version costs and how often the job fails.
+AUTO = "auto"
+
+
+def _interval(name: str, value: int | str) -> int | str:
+    """A tier's interval knob: a number of steps (0 = off) or "auto"; a typo says so."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word == AUTO:
+            return AUTO
+        if word.isdigit():   # --set snapshot.every="10": a number written as a string
+            return int(word)
+        close = difflib.get_close_matches(word, [AUTO], n=1, cutoff=0.6)
+        hint = f"; did you mean '{AUTO}'?" if close else ""
+        raise ConfigError(f"'snapshot.{name}' = {value!r}: expected a number of steps (0 = off) or "
+                          f"\"{AUTO}\" (chosen from each version's cost and the job's failure rate){hint}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"'snapshot.{name}' = {value!r}: expected a number of steps (0 = off) or \"{AUTO}\"")
+    return value
 
 
 @dataclass
 class SnapshotConfig:
     """When and where training state is captured and kept."""
 
-    every: int = knob(1, "capture a snapshot version every N optimizer steps into host RAM; 0 disables snapshots")
+    every: int | str = knob(1, "capture a snapshot version every N optimizer steps into host RAM; 0 disables snapshots; \"auto\": the interval that fits the link and the job's failure rate (Young/Daly, bounded by auto_budget, auto_min_steps, auto_max_steps)")
     durable_url: str = knob("", "fsspec URL of the durable tier (file://, s3://, ...); empty = file://RUN_DIR/checkpoints")
-    durable_every: int = knob(10, "upload every N-th step's version to the durable tier; 0 = only at the end and on preemption")
+    durable_every: int | str = knob(10, "upload every N-th step's version to the durable tier; 0 = only at the end and on preemption; \"auto\": chosen as for snapshot.every, from the upload's cost")
+    auto_mtbf_hours: float = knob(24.0, "\"auto\" intervals: the mean time between failures assumed before the job has seen any (a prior; each restore after a failure or an SDC rollback pulls the estimate toward what the job sees)")
+    auto_budget: float = knob(0.1, "\"auto\" intervals: the share of a link's time one tier's versions may take (peer RAM: the node's pushes to its peers; durable: the uploads); a version that takes longer widens the interval until it fits")
+    auto_min_steps: int = knob(1, "\"auto\" intervals: never closer than this many steps")
+    auto_max_steps: int = knob(1000, "\"auto\" intervals: never further apart than this many steps")
     durable_seconds: float = knob(0.0, "also upload when this many seconds passed since the last upload; 0 disables")
     keep_last: int = knob(3, "durable retention: keep the newest K complete versions")
     keep_every: int = knob(0, "durable retention: also keep every version whose step is a multiple of M; 0 disables")
@@ -32,3 +59,24 @@ class SnapshotConfig:
     # host where replication eats into training (2 shared cores) 2 halves its cost.
     replicate_max_stride: int = knob(1, "peer RAM budget: replicate at least every N-th version; 1 = every version (at most one step lost per failure); 2 = every 2nd when replication costs more than replicate_duty (a failure may lose one step more)")
     store_host: str = knob("0.0.0.0", "peer RAM: address the node store's server binds to")
+
+    def __post_init__(self) -> None:
+        self.every = _interval("every", self.every)
+        self.durable_every = _interval("durable_every", self.durable_every)
+        if not 0 < self.auto_budget <= 1:
+            raise ConfigError(f"'snapshot.auto_budget' = {self.auto_budget!r}: expected a share of the link in (0, 1]")
+        if not 1 <= self.auto_min_steps <= self.auto_max_steps:
+            raise ConfigError(f"'snapshot.auto_min_steps' = {self.auto_min_steps}, 'snapshot.auto_max_steps' = "
+                              f"{self.auto_max_steps}: expected 1 <= auto_min_steps <= auto_max_steps")
+        if not self.auto_mtbf_hours > 0:
+            raise ConfigError(f"'snapshot.auto_mtbf_hours' = {self.auto_mtbf_hours!r}: expected hours > 0")
+
+    @property
+    def memory_on(self) -> bool:
+        """Whether the memory tiers (node RAM, peers) run: ``every`` not 0 and ``memory`` on."""
+        return self.memory and (self.every == AUTO or self.every > 0)
+
+    @property
+    def auto_tiers(self) -> tuple[str, ...]:
+        """The tiers whose interval is chosen while the job runs: ``memory``, ``durable``."""
+        return tuple(t for t, v in (("memory", self.every), ("durable", self.durable_every)) if v == AUTO)

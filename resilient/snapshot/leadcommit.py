@@ -12,22 +12,38 @@ The protocol, per worker group (attempt) and version:
    record ``/resilient/<run>/mem/leader/<attempt>`` naming it and its peer server (MAC'd
    under the job secret). Two nodes claiming rank 0 (an old group's and a new one's) race
    there: one leads, the other reports to it like any node.
-2. Every other node, after pushing its replicas, reports its holds of the version (which
-   ranks it holds, on which nodes, and its rank manifests) to the leader over the
-   authenticated peer channel (``holds`` op); the reply carries the newest commits the
-   leader made, which the node keeps (retention) and shows to its workers.
-3. The leader waits up to ``gather_timeout`` for holds covering every rank, checks that
+2. The leader chooses the version: its newest one due (its replicator's own choice), which it
+   announces as its *target* before it pushes its replicas. Every other node follows: when a
+   version lands it asks the leader for its target over the authenticated peer channel
+   (``target`` op: the leader answers as soon as it has chosen a step newer than the one the
+   node handled last, or after ``fallback``), and handles that version, not its own newest.
+   Why the leader chooses: each replicator skips to its newest version when it is behind, so
+   under load the nodes, each at its own pace, handled different versions, and the leader
+   gathered holds that never all came (CI: the local tier stuck for 90 s while training went
+   on). Why not "the newest version every node reported": nodes skipping at their own pace
+   handle nearly disjoint sets of versions, and that newest common one is rare under load.
+   Following, every turn of the leader is one commit, paced by the slowest node.
+   A follower whose newest version is older than the target gives its versions up (the leader
+   never gathers them) and waits for the target to land; a target that never landed here, or
+   is not whole, is given up too (the leader gives it up after ``gather_timeout``).
+3. Each follower, after pushing its replicas, reports its holds of the target (which ranks
+   it holds, on which nodes, and its rank manifests) to the leader (``holds`` op); the reply
+   carries the newest commits the leader made, which the node keeps (retention) and shows
+   to its workers (as does the answer to its ``target`` question).
+4. The leader waits up to ``gather_timeout`` for holds covering every rank, checks that
    the manifests tile every tensor, and commits (the replicator's ``_commit``).
 
 Failures: a node that never reports leaves the version uncommitted (``upload_error``,
 ``phase = "commit"``, naming the ranks) and the next version is tried afresh; a leader lost
-mid-commit commits nothing (the reports to it fail and are reported), and the re-formed
-group's new rank 0 leads the new attempt. Nothing is committed without every rank held.
+mid-commit commits nothing (the questions and reports to it fail and are reported, and the
+node gives its pending versions up), and the re-formed group's new rank 0 leads the new
+attempt. Nothing is committed without every rank held.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -35,6 +51,8 @@ from resilient.secret import HOLDS
 from resilient.snapshot.api import SnapshotError
 from resilient.snapshot.nodestore import LocalVersion
 from resilient.snapshot.peer import PeerError
+
+log = logging.getLogger(__name__)
 
 
 def leader_key(run_id: str, attempt: str) -> str:
@@ -103,13 +121,98 @@ class LeaderCommit:
                 f"{self.opts.gather_timeout.total_seconds():.0f} s (the node with rank 0 is gone or slow)"))
             return
         node, address = leader
+        t0 = time.monotonic()
         try:
             reply = self._client(node, address).report_holds(doc)
         except (PeerError, SnapshotError, OSError) as e:
             self._drop_client(node)
             self._emit("upload_error", step=v.step, phase="commit", obj=node, error=str(e))
             return
+        self._costs["commit_us"] = round((time.monotonic() - t0) * 1e6)  # this node's share of the commit
         self._learn(reply.get("committed"))
+
+    # -- the version: the leader's choice, the followers' following -------------
+    def _following(self, attempt: str) -> bool:
+        """Whether this node handles the leader's choice of version, not its own (the leader
+        protocol, on a node that does not lead ``attempt``)."""
+        if self.opts.protocol != "leader" or self._server is None:
+            return False
+        try:
+            return not self._leads(attempt)
+        except Exception as e:  # etcd unreachable for the claim: _handle claims again, and reports it
+            log.debug("could not claim the commit lead of %s: %s", attempt, e)
+            return False
+
+    def _aim(self, v: LocalVersion) -> None:
+        """The leader's choice: ``v`` is the version it gathers now (the followers asking learn it,
+        and push their replicas of it while the leader pushes its own)."""
+        with self._cond:
+            self._target = (v.attempt, v.step)
+            self._cond.notify_all()
+
+    def _on_target(self, req: dict) -> dict:
+        """A follower's question (a server thread; the channel authenticated it): the step of
+        its attempt this leader gathers, once newer than its ``after``, waiting up to its
+        ``wait`` (capped below the follower's socket timeout) for the leader to choose one."""
+        try:
+            attempt, after, wait = str(req["attempt"]), int(req["after"]), float(req.get("wait", 0))
+        except (KeyError, TypeError, ValueError):
+            return {"target": -1, "committed": self._shown()}
+        deadline = time.monotonic() + max(0.0, min(wait, self.opts.io_timeout.total_seconds() / 2))
+        with self._cond:
+            while True:
+                step = self._target[1] if self._target[0] == attempt else -1
+                left = deadline - time.monotonic()
+                if step > after or left <= 0 or self._stop:
+                    break
+                self._cond.wait(left)
+        return {"target": step, "committed": self._shown()}
+
+    def _follow(self, newest: LocalVersion) -> LocalVersion | None:
+        """A follower's turn, ``newest`` its newest version not handled: the version the leader
+        gathers, when this node has it whole; else None, after waiting for the leader to choose
+        (up to ``fallback``) or giving up the versions the leader will never gather."""
+        try:
+            leader = self._leader(newest.attempt)
+            if leader is None:
+                self._emit("upload_error", step=newest.step, phase="commit", error=(
+                    f"no commit leader announced for attempt {newest.attempt} within "
+                    f"{self.opts.gather_timeout.total_seconds():.0f} s (the node with rank 0 is gone or slow)"))
+                self._give_up(newest.step)
+                return None
+            node, address = leader
+            try:
+                reply = self._client(node, address).commit_target(newest.attempt, self.done, self.opts.fallback)
+            except (PeerError, SnapshotError, OSError) as e:
+                self._drop_client(node)
+                self._emit("upload_error", step=newest.step, phase="commit", obj=node, error=str(e))
+                self._give_up(newest.step)
+                return None
+        except Exception as e:  # etcd unreachable (the leader's record): as a failed version
+            self._emit("upload_error", step=newest.step, phase="commit", error=f"{type(e).__name__}: {e}")
+            self._give_up(newest.step)
+            return None
+        self._learn(reply.get("committed"))
+        target = reply.get("target")
+        if not isinstance(target, int) or target <= self.done:
+            # Nothing newer chosen within the wait (or a leader stopping): ask again, unhurried.
+            with self._cond:
+                self._cond.wait(self.opts.poll.total_seconds())
+            return None
+        if target > newest.step:  # not landed here yet; ours older than it will never be gathered
+            self._give_up(newest.step)
+            return None
+        v = next((v for v in self._ready() if v.step == target), None)
+        if v is None:  # never landed here whole: the leader gives it up after gather_timeout
+            self._give_up(target)
+        return v
+
+    def _give_up(self, step: int) -> None:
+        """Versions up to ``step`` are not handled (the leader will not gather them)."""
+        with self._cond:
+            self.done = max(self.done, step)
+            self._cond.notify_all()
+        self._retain(below=self.done)
 
     def _learn(self, shown: Any) -> None:
         """The newest commits the leader made (its reply to a report): kept by retention, shown
@@ -123,7 +226,7 @@ class LeaderCommit:
             if isinstance(shown.get("peer"), int):
                 self._peer_committed = max(self._peer_committed, shown["peer"])
             now = {"local": self.committed.get("local", -1), "peer": self._peer_committed}
-        self.store.publish_committed({k: s for k, s in now.items() if s >= 0})
+        self.store.publish_committed({**self._costs, **{k: s for k, s in now.items() if s >= 0}})
 
     def _shown(self) -> dict[str, int]:
         with self._cond:

@@ -18,14 +18,14 @@ between them: :meth:`Replicator._budget`), and
    both create-only in one transaction; the winner emits ``commit``. How the holds are
    gathered is ``ReplicatorOptions.protocol``:
 
-   * ``etcd`` (default): each node records them under ``/resilient/<run>/mem/holds/<S>/<N>``
+   * ``etcd``: each node records them under ``/resilient/<run>/mem/holds/<S>/<N>``
      and reads every node's record of S in one transaction, and whoever sees every rank
      covered commits: N + 1 writes per version and N² bytes read (bench/scale.py);
-   * ``leader`` (opt in; the replicator must serve its peer server,
-     :meth:`Replicator.serve`): each node reports them to the node holding rank 0 over the
-     peer channel, and that leader alone commits (:mod:`.leadcommit`): one etcd
-     transaction per version whatever the node count. Not yet the default: see
-     ``ReplicatorOptions.protocol``.
+   * ``leader`` (default; the replicator must serve its peer server, :meth:`Replicator.serve`,
+     else it uses ``etcd``): the node holding rank 0 chooses the version, every node
+     handles that one (not its own newest) and reports its holds to that leader over the
+     peer channel, and the leader alone commits (:mod:`.leadcommit`): one etcd
+     transaction per version whatever the node count.
 
    Before it commits, the agent checks that the version's rank manifests tile every tensor
    exactly once with one global shape (the check a restore and the durable committer
@@ -51,6 +51,11 @@ newest one handled, so it is bounded at ``keep + 2`` versions, plus those
 landing while the budget waits for a due one. Retired data files become the
 store's spares (:class:`~resilient.snapshot.nodestore.Spares`). When tmpfs runs low the thread warns
 (``upload_error`` with ``phase = "store_full"``) instead of failing.
+
+Beside its commits the agent publishes, for its workers, what its newest version cost
+(``push_bytes``, ``push_us``, ``commit_us`` in the store's committed file): the inputs of a
+``snapshot.every = "auto"`` interval (:mod:`.interval`). Such versions lie at any step, so a
+stride of 1 takes every version, whatever its step.
 """
 
 from __future__ import annotations
@@ -118,13 +123,14 @@ class ReplicatorOptions:
     # The registry is read again after this, at every new worker group and after a failed
     # push: each read is etcd CPU on a host that trains (1 s: ~0.7 reads per demo step).
     nodes_ttl: timedelta = timedelta(seconds=10)
-    # "etcd" (default): every node records its holds in etcd (N + 1 writes per version, no
-    # leader); "leader": holds go to the commit leader over the peer channel, one commit txn per
-    # version (needs the node's PeerServer: Replicator.serve). Not the default yet: each node's
-    # replicator skips to its own newest version, so under load the nodes' reports can miss
-    # each other's versions and the leader commits none (seen in CI: the local tier stuck for
-    # 90 s while training went on); it needs the nodes to follow the leader's choice first.
-    protocol: str = "etcd"
+    # "etcd": every node records its holds in etcd (N + 1 writes per version, no leader);
+    # "leader" (default): the commit leader (rank 0's node) chooses the version, the others
+    # handle that one and send their holds over the peer channel, one commit txn per version
+    # (needs the node's PeerServer: Replicator.serve). Following the leader's choice is what
+    # keeps it committing under load: nodes each skipping to their own newest version reported
+    # holds of different versions, and the leader committed none (CI: the local tier stuck for
+    # 90 s while training went on); leadcommit.py says more.
+    protocol: str = "leader"
     # How long the leader waits for every node's holds of a version before giving it up.
     gather_timeout: timedelta = timedelta(seconds=10)
 
@@ -147,10 +153,13 @@ class Replicator(LeaderCommit):
         self._stop = False
         self._busy = False
         self._stride = 1                     # handle steps that are multiples of stride * unit
-        self._unit = 0                       # the step gap between versions (snapshot.every)
+        self._unit = 0                       # the smallest step gap seen between versions (stride > 1)
         self._cost = 0.0                     # seconds per handled version (moving average)
         self._gap = 0.0                      # seconds between two versions landing (moving average)
         self._last: LocalVersion | None = None
+        # The newest version's costs, published beside the commits for the workers' auto
+        # intervals (resilient.snapshot.interval): bytes pushed, push and etcd commit microseconds.
+        self._costs: dict[str, int] = {}
         self._urgent = False                 # preemption: the newest version, whatever the stride
         self._warned_full = 0.0
         self._warned_untiled = ""            # the attempt whose untiled versions were warned of
@@ -161,6 +170,7 @@ class Replicator(LeaderCommit):
         self._server = None                  # this node's PeerServer, once serve() attached it
         self._reports: dict[tuple[int, str], dict[str, dict]] = {}  # (step, attempt) -> node -> holds
         self._leaders: dict[str, tuple[str, str]] = {}  # attempt -> (leader node, its store address)
+        self._target: tuple[str, int] = ("", -1)  # leading: (attempt, step) of the version gathered now
         self._placement: dict[str, list[str]] = {}
         self._placed_for: dict[str, str] | None = None
         if opts.protocol not in ("leader", "etcd"):
@@ -173,6 +183,7 @@ class Replicator(LeaderCommit):
         ``server``, this node's :class:`~resilient.snapshot.peer.PeerServer`."""
         self._server = server
         server.on_holds = self._on_holds
+        server.on_target = self._on_target
 
     def set_workers(self, ranks: set[int], world: int) -> None:
         """The global ranks this node's workers now have (called at every worker start)."""
@@ -198,16 +209,27 @@ class Replicator(LeaderCommit):
                 self._cond.wait(self.opts.poll.total_seconds())
 
     # -- the loop ---------------------------------------------------------------
+    def _ready(self) -> list[LocalVersion]:
+        """The versions this node's workers finished writing, not yet handled, oldest first."""
+        with self._cond:
+            mine, done, since = self.local_ranks, self.done, self.since
+        if not mine:
+            return []
+        return [v for v in self.store.versions() if mine <= v.ranks and v.step > done and v.mtime >= since]
+
     def _newest_ready(self) -> tuple[LocalVersion | None, LocalVersion | None]:
         """(the newest finished version not yet handled, the newest one due under the budget)."""
         with self._cond:
-            mine, stride, urgent = self.local_ranks, self._stride * max(self._unit, 1), self._urgent
-        if not mine:
-            return None, None
-        ready = [v for v in self.store.versions() if mine <= v.ranks and v.step > self.done and v.mtime >= self.since]
+            urgent = self._urgent
+            stride = 1 if self._stride <= 1 else self._stride * max(self._unit, 1)
+        ready = self._ready()
         if not ready:
             return None, None
-        due = [v for v in ready if urgent or v.step % stride == 0]
+        # Stride 1 takes every version: with snapshot.every = "auto" their steps are not
+        # multiples of one gap (the interval changes as the job runs), and a fixed interval's
+        # versions all are. A stride > 1 (a fixed interval whose versions cost more than the
+        # duty) keeps the multiples of stride × the gap, which every agent can agree on.
+        due = [v for v in ready if urgent or stride <= 1 or v.step % stride == 0]
         return ready[-1], (due[-1] if due else None)
 
     def _run(self) -> None:
@@ -220,6 +242,10 @@ class Replicator(LeaderCommit):
             newest, v = self._newest_ready()
             if newest is not None:
                 self._observe(newest)
+                if self._following(newest.attempt):  # the leader protocol: the leader's choice, not ours
+                    v = self._follow(newest)
+                    if v is None:  # it waited, or gave versions up
+                        continue
             if v is None:
                 if newest is not None and newest.step > skipped:
                     skipped = newest.step  # older versions will never be handled: free their RAM
@@ -277,6 +303,9 @@ class Replicator(LeaderCommit):
         each etcd write here is CPU on a host that trains, every step."""
         mine = sorted(self.local_ranks & v.ranks)
         world = self.world
+        leads = self.opts.protocol == "leader" and self._server is not None and self._leads(v.attempt)
+        if leads:
+            self._aim(v)  # the followers learn it now and push their replicas while we push ours
         nodes = self._live_nodes()
         holders = {r: [self.node] for r in mine}
         parsed: dict[int, dict] = {}         # rank -> its manifest's JSON, parsed once (push, then commit)
@@ -296,21 +325,28 @@ class Replicator(LeaderCommit):
                     continue
                 for r in mine:
                     holders[r].append(peer)
+            pushed = time.monotonic() - t0
             self._emit("upload", step=v.step, bytes=sent, stored_bytes=sent, parts=len(mine),
-                       seconds=round(time.monotonic() - t0, 4), tier="peer",
+                       seconds=round(pushed, 4), tier="peer",
                        peers=sorted({n for h in holders.values() for n in h} - {self.node}))
+            if sent > 0:
+                self._costs.update(push_bytes=sent, push_us=max(1, round(pushed * 1e6)))
         tiers = {"local": 0, "memory": k}
         if self._server is None or self.opts.protocol == "etcd":
+            t0 = time.monotonic()
             self._commit(v, world, self._hold(v, holders, world), tiers, parsed)
+            self._costs["commit_us"] = round((time.monotonic() - t0) * 1e6)
             return
         doc = {"node": self.node, "step": v.step, "attempt": v.attempt, "world": world,
                "holders": {str(r): h for r, h in holders.items()},
                "manifests": {str(r): self.store.read(f"{version_dir(v.step)}/{v.attempt}/r{r:05d}.json").decode()
                              for r in mine}}
-        if self._leads(v.attempt):
+        if leads:
             merged, manifests = self._gather(v, doc, world)
             if merged is not None:
+                t0 = time.monotonic()
                 self._commit(v, world, merged, tiers, manifests)
+                self._costs["commit_us"] = round((time.monotonic() - t0) * 1e6)
         else:
             self._report(v, doc)
 
@@ -429,7 +465,7 @@ class Replicator(LeaderCommit):
             if due.get("memory", 0) > 0:  # replicated to peers (k = 0: the local copy only)
                 self._peer_committed = max(self._peer_committed, v.step)
             shown = {"local": self.committed.get("local", -1), "peer": self._peer_committed}
-        self.store.publish_committed({k: s for k, s in shown.items() if s >= 0})
+        self.store.publish_committed({**self._costs, **{k: s for k, s in shown.items() if s >= 0}})
         for t, k in due.items():
             if t in won and (t == "local" or k > 0):  # k = 0: the local commit said it all
                 self._emit("commit", step=v.step, tier="local" if t == "local" else "peer", world=world,

@@ -243,6 +243,11 @@ class _Handler(socketserver.BaseRequestHandler):
         if op == "holds":  # a node reporting what it holds to this node, its commit leader
             self._holds(chan, req)
             return
+        if op == "target":  # a node asking this node, its commit leader, which version it commits
+            handler = self.server.owner.on_target
+            chan.send({"ok": True, **handler(req)} if handler is not None
+                      else {"ok": False, "error": "this node leads no commit"})
+            return
         try:
             rel = check_rel(req.get("path"))
         except ValueError as e:
@@ -314,8 +319,10 @@ class PeerServer:
                  advertise: str = "", io_timeout: timedelta = timedelta(seconds=30)):
         self.store, self.secret, self.io_timeout = store, JobSecret.of(secret), io_timeout
         self.closed = False
-        # Set by the node's replicator (memcommit): takes a peer's holds report, returns the reply.
+        # Set by the node's replicator (memcommit): takes a peer's holds report, returns the reply;
+        # takes a peer's question of which version this node's commit gathers, returns the answer.
         self.on_holds: Callable[[dict], dict] | None = None
+        self.on_target: Callable[[dict], dict] | None = None
         self._srv = _Server((host, 0), _Handler)
         self._srv.owner = self
         self.port = self._srv.server_address[1]
@@ -461,13 +468,22 @@ class PeerClient:
     def report_holds(self, doc: dict) -> dict:
         """Send this node's holds of a version to the peer that leads its commit; its reply."""
         data = json.dumps(doc).encode()
+        return self._ask({"op": "holds", "size": len(data)}, data, "holds report")
+
+    def commit_target(self, attempt: str, after: int, wait: timedelta) -> dict:
+        """Ask the peer that leads the commit which version of ``attempt`` it gathers (its reply's
+        ``target``), waiting up to ``wait`` for one newer than step ``after``."""
+        return self._ask({"op": "target", "attempt": attempt, "after": after, "wait": wait.total_seconds()},
+                         None, "commit target query")
+
+    def _ask(self, header: dict, payload: bytes | None, what: str) -> dict:
         try:
-            self.chan.send({"op": "holds", "size": len(data)}, data)
+            self.chan.send(header, payload)
             reply = self.chan.recv_header()
         except (OSError, ValueError) as e:
-            raise PeerError(f"peer {self.address}: holds report failed ({e})", self.address) from None
+            raise PeerError(f"peer {self.address}: {what} failed ({e})", self.address) from None
         if not reply.get("ok"):
-            raise PeerError(f"peer {self.address}: holds report refused: {reply.get('error')}", self.address)
+            raise PeerError(f"peer {self.address}: {what} refused: {reply.get('error')}", self.address)
         return reply
 
     def close(self) -> None:

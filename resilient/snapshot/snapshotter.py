@@ -115,8 +115,11 @@ class Snapshotter:
         """A durable-tier Snapshotter from the ``[snapshot]`` config section.
 
         ``url`` is ``cfg.durable_url`` or the run's default; ``kw`` adds
-        ``events``, ``layout``, ``config_digest``, ``storage_options``."""
-        return cls(url, every=cfg.durable_every, seconds=cfg.durable_seconds, keep_last=cfg.keep_last,
+        ``events``, ``layout``, ``config_digest``, ``storage_options``. With
+        ``durable_every = "auto"`` it captures only when forced: the caller decides when
+        (:class:`~resilient.job.keeper.StateKeeper`, :mod:`~resilient.snapshot.interval`)."""
+        every = cfg.durable_every if isinstance(cfg.durable_every, int) else 0
+        return cls(url, every=every, seconds=cfg.durable_seconds, keep_last=cfg.keep_last,
                    keep_every=cfg.keep_every, compress=cfg.compress, threads=cfg.upload_threads,
                    chunk_bytes=cfg.chunk_mib << 20, part_bytes=cfg.part_mib << 20, **kw)
 

@@ -1,0 +1,68 @@
+"""The agents' node-loss check at fleet scale (NodeRegistry.lost with neighbours): each
+node reads its ring neighbours' entries, and everyone's only every few checks, against a
+real etcd; what it reads is authenticated."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from resilient.agent.membership import NodeRegistry, RegistryReader
+from resilient.etcd.testing import unique_run_id
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+
+
+def test_a_node_watches_its_ring_neighbours_and_everyone_now_and_then(etcd, job_secret):
+    run_id = unique_run_id("ring")
+    names = [f"n{i}" for i in range(6)]
+    with etcd.client() as client:
+        regs = {n: NodeRegistry(client, run_id, n, n, timedelta(seconds=30)) for n in names}
+        try:
+            for r in regs.values():
+                r.claim()
+            me, others = regs["n0"], set(names) - {"n0"}
+            counted = []
+            client.on_request = lambda path, seconds: counted.append(path)
+            assert me.lost(others, neighbours=2) == set()  # the first check reads everyone
+            assert counted == ["/kv/range"]
+            assert me.lost(others, neighbours=2) == set()
+            assert counted[1:] == ["/kv/txn"]  # then one read of three keys (n1, n2 and its own)
+            regs["n1"].leave()  # a neighbour: seen on the second miss in a row
+            regs["n4"].leave()  # not a neighbour: seen on the full check
+            assert me.lost(others, neighbours=2) == set()
+            assert me.lost(others, neighbours=2) == {"n1"}
+            me._checks = me.full_every  # the next check is a full one
+            assert me.lost(others, neighbours=2) == {"n1"}    # n4's first miss
+            me._checks = me.full_every
+            assert me.lost(others, neighbours=2) == {"n1", "n4"}
+            # A forged entry under a neighbour's key is no sign of life.
+            client.put(me.prefix + "n1", '{"node": "n1", "mac": "00"}')
+            assert "n1" in me.lost(others, neighbours=2)
+        finally:
+            client.on_request = None
+            for r in regs.values():
+                r.leave()
+
+
+def test_the_replicators_registry_reader_reads_again_only_after_a_change(etcd, job_secret):
+    run_id = unique_run_id("regread")
+    with etcd.client() as client:
+        regs = [NodeRegistry(client, run_id, f"n{i}", "d", timedelta(seconds=30)) for i in range(3)]
+        try:
+            for r in regs:
+                r.claim()
+            read, paths = RegistryReader(client, run_id, job_secret), []
+            client.on_request = lambda path, seconds: paths.append(path)
+            assert sorted(read()) == ["n0", "n1", "n2"] and paths == ["/kv/txn", "/kv/range"]
+            paths.clear()
+            assert sorted(read()) == ["n0", "n1", "n2"] and paths == ["/kv/txn"]  # unchanged: one small read
+            regs[1].update(metrics="127.0.0.1:1")
+            assert read()["n1"]["metrics"] == "127.0.0.1:1"
+            regs[2].leave()
+            assert sorted(read()) == ["n0", "n1"]
+        finally:
+            client.on_request = None
+            for r in regs:
+                r.leave()
