@@ -247,7 +247,14 @@ def _keyed_handler(params: RendezvousParameters, backend: Etcd3RendezvousBackend
         value = _seconds(params, key, None)
         if value is not None:
             setattr(settings, name, value)
-    handler = KeyedRendezvousHandler(params.run_id, backend.client, store, backend.lease, backend.secret, settings,
+    # Its keys live on a lease of torch's keep-alive window (keep_alive_interval ×
+    # keep_alive_max_attempt, when torch's handler drops a silent node), not the store's
+    # lease_ttl: a dead node's join key must go as fast, or a relaunched job waits behind
+    # the dead job's round for a minute.
+    attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3
+    window = _seconds(params, "keep_alive_interval", 5.0) * attempts  # type: ignore[operator]
+    lease = LivenessLease(backend.client, window)
+    handler = KeyedRendezvousHandler(params.run_id, backend.client, store, lease, backend.secret, settings,
                                      key_prefix=backend.key.rsplit("/", 2)[0], local_addr=params.local_addr)
     _guard_store(store, handler)
     return handler
