@@ -14,8 +14,8 @@ protocol in which no write contends with another node's:
 ``{base}/{r}/join/{node}``       node joined round r (one put; its lease, so
                                  it vanishes when the node dies)
 ``{base}/{r}/done``              round r's members in rank order: written
-                                 once, create-only, by whichever member
-                                 closes the round first
+                                 once, create-only, by the oldest joiner
+                                 (by another member if it died)
 ``{base}/{r}/wait/{node}``       node waits for a round after r (r is done
                                  and has room: the members re-form for it)
 ``{base}/{r}/spare/{node}``      node waits for a seat (r is done and full:
@@ -23,19 +23,21 @@ protocol in which no write contends with another node's:
 ``{base}/closed``                the job ended
 ===============================  ============================================
 
-A round's life (per r): **open** (joins accepted; a member closes it once
-``max_nodes`` joined, or ``last_call`` after it saw ``min_nodes``) → **done**
+A round's life (per r): **open** (joins accepted; it is closed once
+``max_nodes`` joined, or ``min_nodes`` did and no join came for ``last_call``:
+:class:`_LastCall`) → **done**
 (the ``done`` record exists: later arrivals wait or stand by) →
 **abandoned** (``round`` moved past r: a member came back to re-form, i.e. its
 agent restarts, or it was lost). Exactly one membership per round: ``done``
 is created by a transaction that fails if it exists. A node polls with one
-small transaction (the round, ``done``, the join count, ``closed``) and reads
+transaction of small reads (the round, ``done``, the join count, ``closed``,
+its own join key, the oldest joiner) and reads
 the O(N) ``done`` record once; per round etcd sees N small puts, one
 membership write and one counter bump.
 
 Every record is sealed with the job secret (:mod:`resilient.secret`) and
-opened before use; nothing here is unpickled. Liveness is the etcd lease of
-the backend (kept alive by a thread: no keep-alive writes into the state),
+opened before use; nothing here is unpickled. Liveness is an etcd lease of
+torch's keep-alive window (kept alive by a thread: no keep-alive writes),
 and a lost node is evicted by deleting its join key (:meth:`evict`), which
 every member's :meth:`round_lost` sees.
 """
