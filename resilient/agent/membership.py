@@ -101,6 +101,8 @@ class NodeRegistry:
                      "pid": os.getpid(), "since": time.time()}
         self.lease = LivenessLease(client, ttl)
         self._missing: dict[str, int] = {}
+        self._checks = 0                              # lost() calls: every few is a full read
+        self._stores: dict[str, str] = {}             # rdzv name -> store address, from the last full read
 
     def update(self, **info) -> None:
         """Add fields to this node's description (e.g. its store address) and re-publish it."""
@@ -182,7 +184,7 @@ class NodeRegistry:
         (512 nodes: ~75 MB/s out of etcd); with a ring each node is watched by
         ``neighbours`` others, and the one that sees it go makes the whole job
         re-form (its rendezvous moves to the next round, which every agent sees)."""
-        self._checks = getattr(self, "_checks", 0) + 1
+        self._checks += 1
         # The full check's bytes per node grow with N: spaced out with N, they stay flat.
         if 0 < neighbours < len(members) and self._checks % max(self.full_every, len(members) // 8) != 1:
             ring = sorted(members | {self.node_id})
@@ -230,7 +232,7 @@ class NodeRegistry:
         unreachable etcd proves nothing (a partition, a slow host, an outage)."""
         # Known from the last full read (the membership checks make one now and then): at a
         # re-form every agent reading every entry again would be N² records.
-        stores = getattr(self, "_stores", {})
+        stores = self._stores
         if not all(n in stores for n in names):
             if self.alive() is None:
                 return set()

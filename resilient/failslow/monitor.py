@@ -68,7 +68,7 @@ class FailSlowMonitor:
         self.cfg, self.group, self.rank, self.world, self.events = cfg, group, rank, world, events
         self.device = device   # where the probe computes
         self.clock = CollectiveClock().install() if cfg.enable else None
-        self.timer = StepTimer(self.clock)
+        self.timer = StepTimer(self.clock, queued=cfg.enable)
         self.detector: Detector | None = None
         self.nodes: list[str] = [node]
         if cfg.enable and group is not None:
@@ -209,8 +209,8 @@ class FailSlowMonitor:
             return d
         d.reason += f" (the probe confirms: x{ratio:.2f})"
         # every rank stops after the step of this boundary (the verdict judged an earlier one)
-        self.replacing = {"step": self._boundary, "verdict_step": s.step, "slow_node": s.slow_node, "slow_ranks": s.slow_ranks, "cause": s.cause,
-                          "factor": round(s.factor, 4), "seat": d.seat, "probe_seconds": round(slowest, 6),
+        self.replacing = {"step": self._boundary, "verdict_step": s.step, "slow_node": s.slow_node,
+                          "slow_ranks": s.slow_ranks, "cause": s.cause, "factor": round(s.factor, 4), "seat": d.seat, "probe_seconds": round(slowest, 6),
                           "reference_seconds": round(reference, 6), "device": str(self.device or "cpu")}
         self.leaving = self.nodes[self.rank] == s.slow_node
         if self.leaving:

@@ -39,7 +39,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from resilient.agent.membership import RegistryReader
 from resilient.agent.quarantine import SLOW_EXIT, SlowMarks
+from resilient.etcd import EtcdError
 from resilient.events import read_events
 from resilient.failslow.api import FailSlowConfig
 from resilient.failslow.probe import SLOW_COMPUTE, compute_seconds
@@ -124,6 +126,8 @@ class SeatHandover:
         self.path = tmp / "failslow-seats.json"
         self.leaving_path = Path(str(self.path) + LEAVING)
         self.marks = SlowMarks(registry.client, run_id, events=events) if self.active else None
+        # Read each second: again only after an entry changed (one small request otherwise).
+        self._nodes = RegistryReader(registry.client, run_id, registry.secret, events) if self.active else None
         self.publish_every = publish_every
         self._next_publish = 0.0
         self._round: list[str] = []
@@ -158,7 +162,10 @@ class SeatHandover:
         if now < self._next_publish:
             return
         self._next_publish = now + self.publish_every
-        alive = self.registry.alive()
+        try:
+            alive = self._nodes()
+        except EtcdError:
+            alive = None
         if alive is None:   # etcd unreachable: unknown, and nobody could re-form now anyway
             seat, spares = "none", []
         else:

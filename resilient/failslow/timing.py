@@ -213,10 +213,12 @@ class CollectiveClock:
 class StepTimer:
     """The phases of the current step interval on this rank (see the module doc)."""
 
-    def __init__(self, clock: CollectiveClock | None):
+    def __init__(self, clock: CollectiveClock | None, queued: bool = True):
+        """``queued``: read the run-queue delay at each lap (off when nothing judges the
+        timings: a ``pread`` per step thread per step, for nobody)."""
         self.clock = clock
         self._marked = {p: 0.0 for p in MARKABLE}
-        self._delay = ProcessRunDelay()
+        self._delay = ProcessRunDelay() if queued else None
         self._t0 = time.perf_counter()
         self._wait0 = self._waited()
         self._queued0 = self._queued()
@@ -228,7 +230,7 @@ class StepTimer:
 
     def _queued(self) -> float:
         """Run-queue delay of the process's threads so far (inside collective waits or not)."""
-        return self._delay.read()
+        return self._delay.read() if self._delay is not None else 0.0
 
     def _queued_waiting(self) -> float:
         return self.clock.queued if self.clock is not None else 0.0
@@ -257,7 +259,8 @@ class StepTimer:
                 self._marked[name] += max(0.0, spent - waited)
 
     def close(self) -> None:
-        self._delay.close()
+        if self._delay is not None:
+            self._delay.close()
 
     def lap(self) -> list[float]:
         """The interval since the last lap as [compute, wait, data, snapshot, wall, queued]

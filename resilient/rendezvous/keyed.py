@@ -44,6 +44,7 @@ every member's :meth:`round_lost` sees.
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import os
@@ -396,8 +397,6 @@ class _LastCall:
 
 
 def _decode(value: str) -> bytes:
-    import base64
-
     return base64.b64decode(value)
 
 
