@@ -105,7 +105,7 @@ COMMANDS = {
     "ckpt": (_cmd_ckpt, "inspect, verify, reshard, convert, diff and gc checkpoints"),
     "chaos": (_cmd_chaos, "run a fault-injection campaign, or report on one"),
     "status": (_cmd_status, "a live view of a job: members, round, commits, failures, recoveries, goodput"),
-    "quarantine": (_cmd_quarantine, "list or clear nodes quarantined for silent data corruption"),
+    "quarantine": (_cmd_quarantine, "list or clear nodes quarantined for silent data corruption or marked slow"),
     "data": (_cmd_data, "prepare a token corpus"),
     "config": (_cmd_config, "show or explain a run config"),
     "doctor": (_cmd_doctor, "check this node (shm, open files, etcd, clock, disk, GPUs) before launching"),

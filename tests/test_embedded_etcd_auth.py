@@ -32,7 +32,7 @@ from datetime import timedelta
 import pytest
 
 from launchutil import REPO, Agent, digests, events, run_launch, wait_for, worker_pids
-from resilient.agent.quarantine import Quarantine
+from resilient.agent.quarantine import Quarantine, SlowMarks
 from resilient.agent.quarantine import main as quarantine_cli
 from resilient.errors import LaunchError
 from resilient.etcd import EtcdAuthError, EtcdClient
@@ -124,13 +124,20 @@ def test_quarantine_cli_logs_in_to_the_runs_embedded_etcd(secured, tmp_path, cap
     with secured.client() as root:
         q = Quarantine(root, run_id, SECRET)
         q.add("bad", reason="sdc")
+        marks = SlowMarks(root, run_id, SECRET)
+        marks.add("slowpoke", cause="device", factor=1.8)
         with pytest.raises(JobSecretError):  # no secret: the login cannot be made
             quarantine_cli(["clear", "bad", "--rdzv-endpoint", secured.endpoint, "--run-id", run_id])
         assert q.get("bad") is not None
         assert quarantine_cli(["list", "--run-dir", str(run_dir)]) == 0
-        assert [json.loads(ln)["node"] for ln in capsys.readouterr().out.splitlines()] == ["bad"]
+        listed = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+        assert [(r["kind"], r["node"]) for r in listed] == [("quarantine", "bad"), ("slow", "slowpoke")]
+        assert listed[1]["factor"] == 1.8
         assert quarantine_cli(["clear", "bad", "--run-dir", str(run_dir)]) == 0
-        assert q.get("bad") is None
+        assert q.get("bad") is None and marks.get("slowpoke") is not None
+        assert quarantine_cli(["clear", "slowpoke", "--run-dir", str(run_dir)]) == 0
+        assert marks.get("slowpoke") is None
+        assert quarantine_cli(["clear", "slowpoke", "--run-dir", str(run_dir)]) == 1
 
 
 # The attacker: a process of another user of the host, in effect: our client (so its errors are

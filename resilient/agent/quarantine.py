@@ -134,7 +134,8 @@ class SlowMarks(Quarantine):
 
 def main(argv: list[str]) -> int:
     """``resilient quarantine list|clear``."""
-    ap = argparse.ArgumentParser(prog="resilient quarantine", description="List or clear quarantined nodes.")
+    ap = argparse.ArgumentParser(prog="resilient quarantine", description="List or clear quarantined nodes "
+                                 "(silent data corruption) and nodes marked slow (fail-slow's replace policy).")
     ap.add_argument("action", choices=("list", "clear"))
     ap.add_argument("node", nargs="?", help="the node to clear")
     ap.add_argument("--rdzv-endpoint", default=None, help="etcd HOST:PORT[,...] of the job (default with --run-dir: "
@@ -158,20 +159,25 @@ def main(argv: list[str]) -> int:
         ap.error("give --rdzv-endpoint and --run-id, or --run-dir of a single-machine job whose agents are running")
     secret = cli_secret(args) if args.action == "list" else None
     with cli_client(args, secret) as client:
-        q = Quarantine(client, args.run_id, secret)
+        # both kinds of record a node can carry: quarantined for SDC (refused a start until
+        # cleared) and marked slow by fail-slow's replace policy (its agent clears it itself
+        # after healthy probes; an operator may clear it sooner)
+        books = [Quarantine(client, args.run_id, secret), SlowMarks(client, args.run_id, secret)]
         if args.action == "list":
-            good, forged = q.scan()
-            for node, record in sorted(good.items()):
-                print(json.dumps(record))
-            for node, why in sorted(forged.items()):
-                print(json.dumps({"node": node, "unauthentic": why, "ignored": True}))
+            for book in books:
+                good, forged = book.scan()
+                for node, record in sorted(good.items()):
+                    print(json.dumps({"kind": book.KIND, **record}))
+                for node, why in sorted(forged.items()):
+                    print(json.dumps({"kind": book.KIND, "node": node, "unauthentic": why, "ignored": True}))
             return 0
         if not args.node:
             ap.error("clear needs a NODE")
-        if not q.clear(args.node):
-            print(f"node {args.node!r} was not quarantined in run {args.run_id!r}")
+        cleared = [book.KIND for book in books if book.clear(args.node)]
+        if not cleared:
+            print(f"node {args.node!r} was neither quarantined nor marked slow in run {args.run_id!r}")
             return 1
-        print(f"cleared {args.node!r}; it may rejoin run {args.run_id!r}")
+        print(f"cleared {args.node!r} ({' and '.join(cleared)}); it may rejoin run {args.run_id!r}")
         return 0
 
 

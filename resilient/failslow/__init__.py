@@ -4,7 +4,8 @@
 - :mod:`~resilient.failslow.timing`: per-rank step phases (compute, wait, data, snapshot)
 - :mod:`~resilient.failslow.detector`: robust scores across ranks and against each rank's history
 - :mod:`~resilient.failslow.policy`: the cost model (act only when acting pays)
-- :mod:`~resilient.failslow.monitor`: the exchange on the step boundary's all-reduce
+- :mod:`~resilient.failslow.monitor`: the step boundary: the stop flag, rank 0's verdicts acted on by every rank
+- :mod:`~resilient.failslow.courier`: each rank's timings gathered on rank 0 and judged there, on a thread
 - :mod:`~resilient.failslow.replace`: the ``replace`` policy: a seat handed over, a node marked and let back
 """
 

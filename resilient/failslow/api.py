@@ -1,8 +1,8 @@
 """Fail-slow detection: its knobs, its verdict, its error.
 
 A synchronous job runs at the speed of its slowest rank. ``[failslow]`` turns
-on the per-rank step timing (:mod:`~resilient.failslow.timing`), its exchange
-on the all-reduce the job already runs at every step boundary, the detector
+on the per-rank step timing (:mod:`~resilient.failslow.timing`), its journey to
+rank 0 beside the loop (:mod:`~resilient.failslow.courier`), the detector
 (:mod:`~resilient.failslow.detector`) and the policy
 (:mod:`~resilient.failslow.policy`). A verdict is a ``straggler`` event
 (docs/events.md).
@@ -37,8 +37,8 @@ class FailSlowError(ResilientError):
 class FailSlowConfig:
     """``[failslow]``: find the slow rank, node or link, name it, act when acting pays."""
 
-    enable: bool = knob(True, "time each rank's step phases (compute, waiting in collectives, data, snapshot) and look for stragglers; the numbers ride on the step boundary's all-reduce")
-    every: int = knob(1, "steps between timing exchanges (each carries the sum of the steps since the last): raise it on very large jobs, where the per-rank numbers add 48 bytes per rank to that all-reduce")
+    enable: bool = knob(True, "time each rank's step phases (compute, waiting in collectives, data, snapshot) and look for stragglers; a thread beside the loop gathers the numbers on rank 0")
+    every: int = knob(1, "steps between timing exchanges (each carries the sum of the steps since the last): raise it on very large jobs, where rank 0 gathers and judges 48 bytes per rank each time")
     warmup: int = knob(8, "steps each rank's own baseline is learnt over before anything is judged (a pipeline's last stage computes more than the others: that is its normal)")
     threshold: float = knob(1.1, "smallest slowdown factor (against the other ranks, relative to the rank's own baseline) that adds evidence")
     evidence: float = knob(1.5, "evidence (a CUSUM of log slowdown factors beyond `threshold`, fed by the median of the last 3 steps) that raises a straggler event: a 2x slow rank needs ~4 steps, a 1.3x one ~11 (bench/failslow.py)")

@@ -109,8 +109,8 @@ def medians_without_each(values: Sequence[float]) -> list[float]:
 class Detector:
     """Feed :meth:`observe` one timing matrix per exchange; it returns the new verdicts.
 
-    Deterministic: every rank holds the same matrices after the exchange and so
-    reaches the same verdicts (the ``replace`` policy relies on it)."""
+    Deterministic: the same matrices give the same verdicts. One runs, on rank 0
+    (:mod:`~resilient.failslow.courier`); every rank acts on its verdicts together."""
 
     def __init__(self, cfg: FailSlowConfig, nodes: Sequence[str]):
         cfg.validate()

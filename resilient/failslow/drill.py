@@ -16,10 +16,12 @@ from typing import Any, Callable
 
 
 def train(rank: int, world: int, run_dir: str, steps: int, keep_history: bool = False,
-          sets: tuple[str, ...] = ()) -> dict:
+          sets: tuple[str, ...] = (), nodes: tuple[str, ...] = ()) -> dict:
     """Pool task: ``steps`` steps of a 2-layer MLP (~10-20 ms each on one thread); returns
     this rank's verdicts (cause, slow_rank, step, action) and, with ``keep_history``, every
-    timing matrix it judged (rank 0)."""
+    timing matrix it judged (rank 0). ``nodes``: the node each rank says it runs on (default:
+    every rank on this one), as an agent would tell it."""
+    import os
     import signal
     import warnings
 
@@ -27,7 +29,11 @@ def train(rank: int, world: int, run_dir: str, steps: int, keep_history: bool = 
     import torch.distributed as dist
 
     from resilient.job import Job, NotUnderAgent
+    from resilient.job.api import NODE_ENV
     from resilient.runconfig import load_runtime_config
+
+    if nodes:
+        os.environ[NODE_ENV] = nodes[rank]
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
@@ -54,6 +60,8 @@ def train(rank: int, world: int, run_dir: str, steps: int, keep_history: bool = 
     finally:
         job.close()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if nodes:
+            os.environ.pop(NODE_ENV, None)   # the pool's process runs other tasks after this one
 
 
 def rank0_steps(run_dir: Path) -> Callable[[], list[dict]]:
@@ -80,12 +88,12 @@ def rank0_steps(run_dir: Path) -> Callable[[], list[dict]]:
 
 
 def run_drill(pool: Any, run_dir: str | Path, steps: int, at_step: Callable[[int], None] | None = None,
-              keep_history: bool = False, sets: tuple[str, ...] = ()) -> list[dict]:
+              keep_history: bool = False, sets: tuple[str, ...] = (), nodes: tuple[str, ...] = ()) -> list[dict]:
     """Run :func:`train` on ``pool``; ``at_step(step)`` is called here as rank 0's steps
     appear (to inject, from outside, while the job runs). Per-rank results."""
     result: dict = {}
     worker = threading.Thread(target=lambda: result.setdefault(
-        "out", pool.run(train, str(run_dir), steps, keep_history, tuple(sets))), daemon=True)
+        "out", pool.run(train, str(run_dir), steps, keep_history, tuple(sets), tuple(nodes))), daemon=True)
     worker.start()
     poll = rank0_steps(Path(run_dir))
     while worker.is_alive():

@@ -2,25 +2,30 @@
 
 The job already runs one small gloo all-reduce per step (every rank agrees on a
 preemption's last step, :meth:`Job._stop_agreed`). :class:`FailSlowMonitor`
-owns that exchange, and every ``every`` steps sends each rank's six timing
-numbers (:data:`~resilient.failslow.api.PHASES`) in its own slot of a second,
-*asynchronous* all-reduce on the same gloo group (a MAX all-reduce of
-non-negative numbers over zeros is a gather): 48 bytes per rank, launched at
-the boundary after step *s*, travelling while step *s + 1* computes, read and
-judged at the next boundary (one step of lag: a verdict at the boundary after
-step *s + 1* has seen step *s*). The step boundary itself only waits for the
-one-element stop flag, as before: the timings' own all-reduce (a ring of
-messages, each a context switch on oversubscribed cores: measured 3.2 ms, 5.6%
-of a 57 ms step, when it rode on the flag's) is off the training thread's path.
-The exchange's own wait, where fast ranks wait for a slow one when the loop has
-no collective of its own, counts in the next interval.
+owns that exchange, and every ``every`` steps hands this rank's six timing
+numbers (:data:`~resilient.failslow.api.PHASES`, 48 bytes) to its
+:class:`~resilient.failslow.courier.Courier`, whose thread sends them to rank 0
+in a gather on a gloo group of its own and, on rank 0, has them judged: the
+training thread only pays a lap of the step timer and a queue put. A gather,
+not an all-reduce of everyone's numbers: each rank sends one message instead
+of a ring's 2(world - 1), and one detector runs instead of one per rank. Side
+by side on 4 gloo ranks on 2 cores, an all-reduce of the 24 numbers beside the
+step cost 6-7% of a 26 ms step (each ring message a context switch on
+oversubscribed cores), a gather nothing measurable (bench/failslow.py).
 
-Every rank runs the same :class:`~resilient.failslow.detector.Detector` on the
-same numbers, so every rank reaches the same verdict at the same step; rank 0
-writes the ``straggler`` event with the policy's decision and arithmetic. A
-suspected link is probed first (:mod:`~resilient.failslow.probe`, every rank
-together, once per suspicion): a process slow inside the collectives looks
-like a slow link from the step timings alone.
+A verdict names the step whose timings showed it. The step boundary itself
+only waits for the one-element stop flag, as before; rank 0 adds to it that its
+courier has verdicts (a SUM of stop bits, plus world + 1 from rank 0), and only
+then does every rank read them from rank 0 (a broadcast of their JSON; rare):
+every rank acts on a verdict together (a probe and a replace decision are
+collective), usually one or two steps after the step it names. The exchange's
+own wait, where fast ranks wait for a slow one when the loop has no collective
+of its own, counts in the next interval.
+
+Rank 0 writes the ``straggler`` event with the policy's decision and
+arithmetic. A suspected link is probed first (:mod:`~resilient.failslow.probe`,
+every rank together, once per suspicion): a process slow inside the
+collectives looks like a slow link from the step timings alone.
 
 Under ``failslow.policy = "replace"`` a verdict that pays (:mod:`~.policy`) and
 has a seat to hand over (each rank's agent says whether a warm spare waits or
@@ -34,6 +39,7 @@ re-form at once.
 
 from __future__ import annotations
 
+import json
 import time
 from statistics import median
 from typing import Any, ContextManager
@@ -43,6 +49,7 @@ import torch.distributed as dist
 
 from resilient.failslow.api import PHASES, FailSlowConfig, Straggler
 from resilient.failslow.detector import WALL, Detector
+from resilient.failslow.courier import Courier
 from resilient.failslow.policy import Decision, decide
 from resilient.failslow.probe import SLOW_COMPUTE, judge, run_probe
 from resilient.failslow.replace import agree, note_leaving
@@ -69,33 +76,46 @@ class FailSlowMonitor:
         self.device = device   # where the probe computes
         self.clock = CollectiveClock().install() if cfg.enable else None
         self.timer = StepTimer(self.clock, queued=cfg.enable)
-        self.detector: Detector | None = None
+        self.courier: Courier | None = None   # carries the timings to rank 0 and judges them there
         self.nodes: list[str] = [node]
-        if cfg.enable and group is not None:
+        self._judge = cfg.enable and group is not None
+        if self._judge:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, node, group=group)   # once, at start: who runs where
             self.nodes = [str(n) for n in gathered]
-            self.detector = Detector(cfg, self.nodes)
+            # the timings' own group: the courier's thread issues its gathers there, in its order
+            lane = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+            self.courier = Courier(lane, rank, world, N, Detector(cfg, self.nodes) if rank == 0 else None)
+        self._root = dist.get_global_rank(group, 0) if group is not None else 0
         self._flag = torch.zeros(1, dtype=torch.float64)
-        self._judge = self.detector is not None
-        self._inflight: tuple[Any, torch.Tensor, int] | None = None   # (work, timings, step) launched, not read
+        self._raised: set[int] = set()   # ranks rank 0's detector holds judged (a probe must not name them again)
         self._boundary = 0   # the step of the boundary being run (what every rank saves if it stops)
         self._pending = [0.0] * N
         self._calls = 0
         self.total_steps: int | None = None    # the run's length, for the cost model (Job.steps sets it)
         self.reform_seconds = cfg.reform_seconds or None
         self.stragglers: list[tuple[Straggler, Decision]] = []
-        self.history: list | None = None   # a list to keep every (step, timing matrix) in (bench/failslow.py)
         self.replacing: dict | None = None   # replace: what every rank stops for (the failslow_replace fields)
         self.leaving = False                 # ... and this rank's node is the one that leaves
+
+    @property
+    def history(self) -> list | None:
+        """Rank 0: a list to keep every (step, timing matrix) judged in (bench/failslow.py)."""
+        return self.courier.history if self.courier is not None else None
+
+    @history.setter
+    def history(self, value: list | None) -> None:
+        if self.courier is not None:
+            self.courier.history = value
 
     def phase(self, name: str) -> ContextManager[None]:
         return self.timer.phase(name)
 
     def exchange(self, stop: bool, step: int) -> bool:
         """The step boundary: the stop flag agreed by every rank (a one-element all-reduce, as
-        ever), and, when due, this step's timings sent off asynchronously: they travel while
-        the next step computes and are judged at the next boundary (module doc). Collective."""
+        ever), rank 0's verdicts acted on by every rank, and, when due, this step's timings
+        handed to the courier, whose thread carries them to rank 0 to be judged (module doc).
+        Collective."""
         lap = self.timer.lap()   # the step that just ended (the previous exchange's wait included)
         if self._calls == 0:
             # the time before the first exchange is start-up, not a step
@@ -106,28 +126,40 @@ class FailSlowMonitor:
         due = self._judge and self._calls > 0 and self._calls % self.cfg.every == 0
         self._calls += 1
         self._boundary = step
-        if self._inflight is not None:
-            # the timings sent at the last due boundary: every rank reads and judges them here,
-            # before anything else on the group (a verdict's probe is collective too)
-            work, buf, sent = self._inflight
-            self._inflight = None
-            work.wait()
-            rows = buf.view(self.world, N).tolist()
-            if self.history is not None:
-                self.history.append((sent, rows))
-            for s in self.detector.observe(sent, rows):
-                self._verdict(s, rows)
-        self._flag[0] = float(stop)
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
-        agreed = bool(self._flag[0].item())
-        if due:
-            buf = torch.zeros(N * self.world, dtype=torch.float64)
-            buf[N * self.rank: N * (self.rank + 1)] = torch.tensor(self._pending, dtype=torch.float64)
+        if due:   # this rank's timings to rank 0, by the courier's thread (courier.py)
+            self.courier.submit(step, self._pending)
             self._pending = [0.0] * N
-            # a MAX all-reduce of non-negative numbers over zeros is a gather
-            self._inflight = (dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True), buf, step)
+        found = self.courier.take() if self.courier is not None and self.rank == 0 else None
+        # a SUM of the stop bits (≤ world), plus world + 1 from rank 0 when it has verdicts
+        self._flag[0] = float(stop) + (self.world + 1 if found else 0)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.SUM, group=self.group)
+        total = round(self._flag[0].item())
+        agreed = total % (self.world + 1) > 0
+        if total > self.world:
+            # every rank acts on rank 0's verdicts together, before anything else on the group
+            # (a verdict's probe is collective too)
+            found = self._from_root(found)
+            self._raised = set(found["raised"])
+            for fields in found["verdicts"]:
+                self._verdict(Straggler(**fields), found["rows"])
         # a replace decision stops every rank after this step, as a preemption does (Job.finish)
         return agreed or self.replacing is not None
+
+    def _from_root(self, found: dict | None) -> dict:
+        """Rank 0's verdicts on every rank: JSON bytes broadcast over the group (collective)."""
+        data = json.dumps(found).encode() if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=self._root, group=self.group)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
+            torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(buf, src=self._root, group=self.group)
+        return json.loads(buf.numpy().tobytes())
+
+    def _hold(self, ranks: list[int]) -> None:
+        """A verdict on these ranks reached through the probe: the timing signal must not say it again."""
+        self._raised.update(ranks)
+        if self.courier is not None:
+            self.courier.hold(ranks)
 
     def _probed(self, s: Straggler) -> Straggler | None:
         """A suspected link, probed: a slow device or host after all, the link located, or
@@ -137,9 +169,9 @@ class FailSlowMonitor:
         self.timer.lap()   # the probe is no step's time
         j = judge(compute, edges, self.nodes)
         if j["cause"] in ("device", "host"):
-            if all(self.detector.ranks[r].raised for r in j["slow_ranks"]):
+            if all(r in self._raised for r in j["slow_ranks"]):
                 return None   # the slow rank the timings already named: its waits, not a link
-            self.detector.hold(j["slow_ranks"])   # the timing signal must not say it again
+            self._hold(j["slow_ranks"])
         elif j["slow_rank"] is None:
             return None
         evidence = {**s.evidence, **j["evidence"], "probed": True,
@@ -157,7 +189,7 @@ class FailSlowMonitor:
         j = judge(compute, edges, self.nodes)
         evidence = {**s.evidence, **j["evidence"], "probed": True}
         if j["cause"] == "host" and j["slow_node"] == s.slow_node:
-            self.detector.hold(j["slow_ranks"])
+            self._hold(j["slow_ranks"])
             return Straggler(step=s.step, cause="host", factor=s.factor, slow_rank=s.slow_rank,
                              slow_ranks=j["slow_ranks"], slow_node=s.slow_node,
                              steps_of_evidence=s.steps_of_evidence, evidence=evidence)
@@ -176,8 +208,8 @@ class FailSlowMonitor:
         remaining = self.total_steps - s.step if self.total_steps is not None else None
         reform, seat = self.reform_seconds or 0.0, None
         if self.cfg.policy == "replace" and self.replacing is None and s.cause != "link":
-            # collective: every rank reached this verdict from the same numbers, and must weigh
-            # the same re-form cost (each measured its own start)
+            # collective: every rank acts on this verdict together, and must weigh the same
+            # re-form cost (each measured its own start)
             seat, reform = agree(self.group, reform)
         d = decide(self.cfg, s, seat=seat, step_seconds=step_seconds, remaining_steps=remaining,
                    reform_seconds=reform)
@@ -218,6 +250,9 @@ class FailSlowMonitor:
         return d
 
     def close(self) -> None:
+        if self.courier is not None:
+            self.courier.close()
+            self.courier = None
         self.timer.close()
         if self.clock is not None:
             self.clock.uninstall()

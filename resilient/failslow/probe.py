@@ -4,8 +4,8 @@ Step timings alone cannot always tell them apart: when a rank's whole process
 is slow (stopped, starved, its GPU throttled while it also drives the
 collectives), it is slow *inside* the collectives too, so every rank's wait
 grows, as it would behind a slow link. When the detector suspects a link, every
-rank runs this probe together (the suspicion is reached by every rank at the
-same step, from the same numbers), once per suspicion, off the hot path:
+rank runs this probe together (rank 0's suspicion, announced at a step
+boundary, is acted on by every rank there), once per suspicion, off the hot path:
 
 1. **compute**: the same small matrix product, ``COMPUTE_REPS`` times, timed
    (minus the run-queue delay: a shared host's CPU contention is not the rank's

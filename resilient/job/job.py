@@ -248,7 +248,7 @@ class Job:
         # backend): the signal reaches each worker at its own point of a step, and a rank that
         # stopped a step earlier than the others would leave them in a collective.
         self._stop_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
-        # ... and the per-rank step timings of the fail-slow checks ride on that all-reduce
+        # ... which the fail-slow monitor runs, telling every rank when rank 0 found a straggler
         self.failslow = FailSlowMonitor(self.config.failslow, group=self._stop_group, rank=self.rank,
                                         world=self.world_size, node=self.events.node, events=self.events,
                                         device=self.device)
