@@ -102,6 +102,21 @@ def test_a_verdict_is_raised_once_and_rearmed_after_recovery():
     assert causes == [("device", 0), ("device", 0)]
 
 
+def test_a_rearmed_verdict_comes_again_while_the_rank_is_still_slow():
+    rng = random.Random(4)
+    det = Detector(FailSlowConfig(), ["a", "b", "c"])
+    seen = []
+    for step in range(1, 90):
+        rows = clean_rows(rng, 3)
+        if step > START:
+            rows = slow_down(rows, "device", 2.0, ranks=[2])
+        seen += [step for v in det.observe(step, rows)]
+        if step == 50:   # a replace found no seat at the first verdict: ask again (monitor.NO_SEAT_RETRY)
+            assert len(seen) == 1
+            det.rearm([2])
+    assert len(seen) == 2 and 50 < seen[1] <= 50 + 6, seen
+
+
 def _straggler(factor: float, cause: str = "device") -> Straggler:
     return Straggler(step=100, cause=cause, factor=factor, slow_rank=1, slow_ranks=[1], slow_node="b",
                      steps_of_evidence=5)

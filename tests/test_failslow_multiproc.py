@@ -109,6 +109,8 @@ def carry(rank, world, steps, start):
             if step % 5 == 0:   # a boundary takes what was judged so far
                 assert courier.drain()
                 found.append(courier.take())
+                if found[-1] is not None and len([f for f in found if f]) == 1:
+                    courier.retry([1], after=3)   # as a replace without a seat does: ask again
         assert courier.drain()
         found.append(courier.take())
         if rank == 0:
@@ -126,10 +128,12 @@ def test_the_courier_carries_every_ranks_timings_to_rank_0s_detector(pool):
     out = pool.run(carry, 40, 20)
     assert [o["error"] for o in out] == ["None"] * 3 and out[0]["history"] == 40
     assert [o["found"] for o in out[1:]] == [[], []]   # only rank 0 judges
-    (found,) = out[0]["found"]   # one verdict, taken once
+    found, again = out[0]["found"]   # one verdict, taken once; then again after the retry
     (v,) = [Straggler(**fields) for fields in found["verdicts"]]   # what every rank rebuilds
     assert (v.cause, v.slow_rank, v.slow_node) == ("device", 1, "b") and 20 < v.step <= 25, v
     assert found["raised"] == [1] and len(found["rows"]) == 3
+    (w,) = [Straggler(**fields) for fields in again["verdicts"]]
+    assert w.slow_rank == 1 and v.step + 3 < w.step <= 40, (v, w)
 
 
 # ------------------------------------------------------------ the replace policy, end to end

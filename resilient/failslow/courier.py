@@ -43,6 +43,7 @@ class Courier:
         self._lock = threading.Condition()   # the detector's state (held from the training thread), the counts
         self._found: dict | None = None
         self._pending = 0
+        self._rearm: dict[int, int] = {}   # rank -> observations until its verdict is forgotten
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="resilient-failslow-courier", daemon=True)
         self._thread.start()
@@ -64,6 +65,14 @@ class Courier:
         if self.detector is not None:
             with self._lock:
                 self.detector.hold(ranks)
+
+    def retry(self, ranks: list[int], after: int) -> None:
+        """Rank 0: forget the verdict on ``ranks`` after ``after`` more observations, so that a
+        slowdown still there is judged (and weighed) again."""
+        if self.detector is not None:
+            with self._lock:
+                for r in ranks:
+                    self._rearm[r] = after
 
     def drain(self, timeout: timedelta = timedelta(seconds=30)) -> bool:
         """Wait until everything submitted was sent (and judged); False if ``timeout`` ran out."""
@@ -102,6 +111,11 @@ class Courier:
         with self._lock:
             if self.history is not None:
                 self.history.append((step, rows))
+            for r in list(self._rearm):
+                self._rearm[r] -= 1
+                if self._rearm[r] <= 0:
+                    del self._rearm[r]
+                    self.detector.rearm([r])
             verdicts = self.detector.observe(step, rows)
             if verdicts:
                 found = self._found or {"verdicts": []}

@@ -149,6 +149,13 @@ class Detector:
                 sig.since = self.seen
         return self._verdicts(step, rows, own)
 
+    def rearm(self, ranks: Sequence[int]) -> None:
+        """Forget the verdict on these ranks: if they are still slow, the evidence builds up
+        again and a new verdict comes (a ``replace`` that found no seat asks again later)."""
+        for r in ranks:
+            sig = self.ranks[r]
+            sig.raised, sig.score, sig.since = False, 0.0, None
+
     def hold(self, ranks: Sequence[int]) -> None:
         """A verdict on these ranks was reached another way (the probe): as if raised here."""
         for r in ranks:

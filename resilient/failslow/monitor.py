@@ -56,6 +56,10 @@ from resilient.failslow.replace import agree, note_leaving
 from resilient.failslow.timing import CollectiveClock, StepTimer
 
 N = len(PHASES)
+# A replace that would pay but found no seat (no spare up yet, no shrink allowed) asks again
+# this many exchanges later: a spare started meanwhile takes the seat then, and a slowdown
+# that lasts does not write a straggler event every few steps meanwhile.
+NO_SEAT_RETRY = 30
 
 
 def process_age_seconds() -> float:
@@ -215,6 +219,8 @@ class FailSlowMonitor:
                    reform_seconds=reform)
         if d.action == "replace":
             d = self._confirm(s, d)
+        elif d.pays and d.seat == "none" and self.courier is not None:
+            self.courier.retry(s.slow_ranks, NO_SEAT_RETRY)
         self.stragglers.append((s, d))
         if self.rank == 0:
             self.events.emit("straggler", **s.event_fields(), decision=d.fields())
