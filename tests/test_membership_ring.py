@@ -8,10 +8,30 @@ from datetime import timedelta
 
 import pytest
 
-from resilient.agent.membership import NodeRegistry, RegistryReader
+from resilient.agent.membership import NodeRegistry, RegistryReader, full_check_due
 from resilient.etcd.testing import unique_run_id
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+
+
+def full_next(reg: NodeRegistry, members: set[str]) -> None:
+    """Move ``reg``'s check counter to just before its next full check."""
+    while True:
+        reg._checks += 1
+        if reg.full_due(len(members)):
+            reg._checks -= 1
+            return
+
+
+def test_full_checks_come_every_period_at_each_nodes_own_phase():
+    names = [f"node-{i}" for i in range(200)]
+    period = max(NodeRegistry.full_every, len(names) // 8)   # 25 checks
+    full = {n: [c for c in range(1, 3 * period + 1) if full_check_due(n, c, len(names), NodeRegistry.full_every)]
+            for n in names}
+    assert all(len(c) == 3 and c[1] - c[0] == c[2] - c[1] == period for c in full.values())
+    # spread over the period, not all at once: no check sees more than a few nodes' full reads
+    per_check = [sum(1 for c in full.values() if check in c) for check in range(1, period + 1)]
+    assert max(per_check) <= 4 * len(names) / period, per_check
 
 
 def test_a_node_watches_its_ring_neighbours_and_everyone_now_and_then(etcd, job_secret):
@@ -25,17 +45,18 @@ def test_a_node_watches_its_ring_neighbours_and_everyone_now_and_then(etcd, job_
             me, others = regs["n0"], set(names) - {"n0"}
             counted = []
             client.on_request = lambda path, seconds: counted.append(path)
-            assert me.lost(others, neighbours=2) == set()  # the first check reads everyone
+            full_next(me, others)
+            assert me.lost(others, neighbours=2) == set()  # a full check reads everyone
             assert counted == ["/kv/range"]
             assert me.lost(others, neighbours=2) == set()
             assert counted[1:] == ["/kv/txn"]  # then one read of three keys (n1, n2 and its own)
             regs["n1"].leave()  # a neighbour: seen on the second miss in a row
-            regs["n4"].leave()  # not a neighbour: seen on the full check
+            regs["n4"].leave()  # not a neighbour: seen on the full checks
             assert me.lost(others, neighbours=2) == set()
             assert me.lost(others, neighbours=2) == {"n1"}
-            me._checks = me.full_every  # the next check is a full one
+            full_next(me, others)
             assert me.lost(others, neighbours=2) == {"n1"}    # n4's first miss
-            me._checks = me.full_every
+            full_next(me, others)
             assert me.lost(others, neighbours=2) == {"n1", "n4"}
             # A forged entry under a neighbour's key is no sign of life.
             client.put(me.prefix + "n1", '{"node": "n1", "mac": "00"}')

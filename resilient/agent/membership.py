@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -84,6 +85,13 @@ class RegistryReader:
             self._nodes = read_registry(self.client, self.run_id, self.secret, self.events)
             self._count, self._revision = count, revision
         return dict(self._nodes)
+
+
+def full_check_due(node_id: str, check: int, members: int, full_every: int) -> bool:
+    """Whether ``node_id``'s ``check``-th node-loss check reads every entry: one check in
+    max(``full_every``, members / 8), at a phase of the node's own (its id's hash)."""
+    period = max(full_every, members // 8)
+    return (check + zlib.crc32(node_id.encode()) % period) % period == 0
 
 
 class NodeRegistry:
@@ -178,15 +186,17 @@ class NodeRegistry:
         miss can be a key being re-registered after an etcd restart).
 
         ``neighbours`` > 0: look only at that many members after this node in the
-        ring of node ids, and at all of them at the first call and every :attr:`full_every`
-        calls (N/8 beyond 80 nodes: a safety net for neighbours lost together). Every
+        ring of node ids, and at all of them every :attr:`full_every` calls (N/8 beyond 80
+        nodes: a safety net for neighbours lost together), each node at its own phase of
+        that period (a node id's hash): started together, N nodes reading N entries at
+        once would be a burst of N² records every period (256 nodes: 20 MB). Every
         agent reading every entry each check is N² records a second across a fleet
         (512 nodes: ~75 MB/s out of etcd); with a ring each node is watched by
         ``neighbours`` others, and the one that sees it go makes the whole job
         re-form (its rendezvous moves to the next round, which every agent sees)."""
         self._checks += 1
         # The full check's bytes per node grow with N: spaced out with N, they stay flat.
-        if 0 < neighbours < len(members) and self._checks % max(self.full_every, len(members) // 8) != 1:
+        if 0 < neighbours < len(members) and not self.full_due(len(members)):
             ring = sorted(members | {self.node_id})
             me = ring.index(self.node_id)
             watched = {ring[(me + i) % len(ring)] for i in range(1, neighbours + 1)} - {self.node_id}
@@ -207,6 +217,10 @@ class NodeRegistry:
         return gone
 
     full_every = 10  # lost(neighbours=k): every this many checks, all members
+
+    def full_due(self, members: int) -> bool:
+        """Whether the check being made (``_checks``, counted) reads every entry."""
+        return full_check_due(self.node_id, self._checks, members, self.full_every)
 
     def _read(self, node_ids: list[str]) -> dict[str, dict] | None:
         """The authentic entries of ``node_ids`` (and ours, put back if missing), in one read."""
