@@ -17,6 +17,7 @@ after the judging (monitor.py), usually one or two steps later.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import asdict
@@ -25,6 +26,7 @@ from typing import Any
 
 from resilient.failslow.detector import Detector
 
+log = logging.getLogger(__name__)
 _STOP = object()
 CLOSE_WAIT = timedelta(seconds=1)   # at close: a gather whose peers left already is not waited out
 
@@ -101,6 +103,7 @@ class Courier:
                     self._judge(step, [slot.tolist() for slot in slots])
             except Exception as e:   # a peer gone (the job ends or re-forms): nothing more to carry
                 self.error = e
+                log.info("fail-slow timings no longer gathered on rank %d: %s", self.rank, e)
                 return
             finally:
                 with self._lock:
