@@ -54,9 +54,9 @@ def test_a_slowed_rank_is_named_as_a_slow_device(pool, tmp_path, factor, bound):
     first = verdicts[0]
     assert {(v["cause"], v["slow_rank"]) for v in verdicts} == {("device", 1)}, verdicts
     assert (first["cause"], first["slow_rank"], first["slow_node"]) == ("device", 1, first["node"]), first
-    # every rank reached the same verdict at the same step
+    # every rank acted on rank 0's verdict, the same one at the same step
     assert out[0] == out[1] == out[2] and out[0][0][:2] == ("device", 1), out
-    # one step of lag: the timings of a step ride on the next step's exchange
+    # the verdict names the step whose timings showed it (a slot of lag for the injection's start)
     assert first["step"] - fired["step"] <= bound + 2, (first["step"], fired["step"], first["steps_of_evidence"])
     assert first["decision"]["action"] == "report" and "expected_loss_seconds" in first["decision"]
 
@@ -83,9 +83,10 @@ def test_the_probe_finds_a_process_that_is_slow_inside_the_collectives_too(pool)
     assert (verdict["cause"], verdict["slow_rank"], verdict["slow_node"]) == ("device", 2, "b"), verdict
 
 
-def carry(rank, world, steps, start):
+def carry(rank, world, steps, start, held_at):
     """Each rank submits its own row of the same synthetic matrices (rank 1 2x slow from
-    ``start``) to a real courier; rank 0 returns what its thread judged, taken at boundaries."""
+    ``start``) to a real courier; rank 0 returns what its thread judged, taken at boundaries
+    (every 5 steps; at ``held_at`` a hold and a retry come first)."""
     import random
 
     import torch.distributed as dist
@@ -108,14 +109,14 @@ def carry(rank, world, steps, start):
             courier.submit(step, rows[rank])
             if step % 5 == 0:   # a boundary takes what was judged so far
                 assert courier.drain()
+                if step == held_at:
+                    # the probe named rank 1 meanwhile: its verdict, judged but not yet taken, is
+                    # dropped; then, as a replace without a seat does, ask again 3 exchanges on
+                    courier.hold([1])
+                    courier.retry([1], after=3)
                 found.append(courier.take())
-                if found[-1] is not None and len([f for f in found if f]) == 1:
-                    courier.retry([1], after=3)   # as a replace without a seat does: ask again
         assert courier.drain()
         found.append(courier.take())
-        if rank == 0:
-            courier.hold([2])
-            assert courier.detector.ranks[2].raised
         return {"found": [f for f in found if f is not None], "error": repr(courier.error),
                 "history": len(courier.history or [])}
     finally:
@@ -125,15 +126,14 @@ def carry(rank, world, steps, start):
 def test_the_courier_carries_every_ranks_timings_to_rank_0s_detector(pool):
     from resilient.failslow.api import Straggler
 
-    out = pool.run(carry, 40, 20)
+    out = pool.run(carry, 40, 20, 25)
     assert [o["error"] for o in out] == ["None"] * 3 and out[0]["history"] == 40
     assert [o["found"] for o in out[1:]] == [[], []]   # only rank 0 judges
-    found, again = out[0]["found"]   # one verdict, taken once; then again after the retry
+    # the first verdict (steps 21-25) was held before it was taken: only the retry's is acted on
+    (found,) = out[0]["found"]
     (v,) = [Straggler(**fields) for fields in found["verdicts"]]   # what every rank rebuilds
-    assert (v.cause, v.slow_rank, v.slow_node) == ("device", 1, "b") and 20 < v.step <= 25, v
+    assert (v.cause, v.slow_rank, v.slow_node) == ("device", 1, "b") and 25 + 3 < v.step <= 40, v
     assert found["raised"] == [1] and len(found["rows"]) == 3
-    (w,) = [Straggler(**fields) for fields in again["verdicts"]]
-    assert w.slow_rank == 1 and v.step + 3 < w.step <= 40, (v, w)
 
 
 # ------------------------------------------------------------ the replace policy, end to end
@@ -195,9 +195,9 @@ def test_replace_hands_the_slow_nodes_seat_to_a_spare_and_ends_bitwise_equal(cor
     assert (verdict["cause"], verdict["slow_node"], verdict["decision"]["seat"]) == ("device", slow, "spare"), verdict
     (action,) = events(run, "failslow_replace")
     assert (action["node"], action["slow_node"], action["verdict_step"]) == (slow, slow, verdict["step"])
-    # the timings of a step travel during the next one and rank 0's judge thread decides beside
+    # the timings of a step travel during the next one and rank 0's courier judges them beside
     # the one after: acted on a boundary or a few later, never before
-    assert 1 <= action["step"] - verdict["step"] <= 4, (action, verdict)
+    assert 1 <= action["step"] - verdict["step"] <= 10, (action, verdict)
     assert action["probe_seconds"] > 1.3 * action["reference_seconds"], action
     assert (mark["node"], mark["rank"], mark["step"]) == (slow, -1, action["step"])
     (rejoin,) = events(run, "failslow_rejoin")

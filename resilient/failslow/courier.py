@@ -28,7 +28,14 @@ from resilient.failslow.detector import Detector
 
 log = logging.getLogger(__name__)
 _STOP = object()
-CLOSE_WAIT = timedelta(seconds=1)   # at close: a gather whose peers left already is not waited out
+# At a normal close the gathers still queued are finished first (every rank closes after the
+# same step and sends the same ones): a process that exits while its courier is blocked in a
+# gloo gather aborts (SIGABRT), which its agent would count as a failure. A peer that left
+# early is not waited for longer than this.
+CLOSE_WAIT = timedelta(seconds=2)
+# More exchanges queued than this: the courier (the gather, and on rank 0 the detector: ~10 µs
+# per rank) is slower than the steps; the verdicts lag further each step.
+BACKLOG_WARN = 64
 
 
 class Courier:
@@ -47,26 +54,49 @@ class Courier:
         self._pending = 0
         self._rearm: dict[int, int] = {}   # rank -> observations until its verdict is forgotten
         self.error: BaseException | None = None
+        self._warned = False
         self._thread = threading.Thread(target=self._run, name="resilient-failslow-courier", daemon=True)
         self._thread.start()
 
     def submit(self, step: int, numbers: list[float]) -> None:
         """This rank's timings of the interval that ended at ``step`` (every rank, same steps)."""
+        if self.error is not None:
+            return   # the thread is gone (a peer left): nothing would carry them
         with self._lock:
             self._pending += 1
+            backlog = self._pending
         self._inbox.put((step, numbers))
+        if backlog > BACKLOG_WARN and not self._warned:
+            self._warned = True
+            log.warning("fail-slow: %d timing exchanges queued on rank %d; judging %d ranks is slower than "
+                        "the steps: raise failslow.every", backlog, self.rank, self.world)
 
     def take(self) -> dict | None:
         """Rank 0: what was found since the last call: {"rows": the matrix of the last verdict,
-        "verdicts": [Straggler fields...], "raised": ranks the detector holds judged}, or None."""
-        with self._lock:
+        "verdicts": [Straggler fields...], "raised": ranks the detector holds judged now}, or
+        None. Never waits for the judging under way (the training thread calls it): what it
+        finds comes at the next call."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
             found, self._found = self._found, None
-        return found
+            if found is not None:
+                found["raised"] = [r for r, sig in enumerate(self.detector.ranks) if sig.raised]
+            return found
+        finally:
+            self._lock.release()
 
     def hold(self, ranks: list[int]) -> None:
+        """Rank 0: the probe named ``ranks``: the timing signal must not name them again, nor
+        may a verdict on them found meanwhile (judged while the probe ran) be acted on twice."""
         if self.detector is not None:
             with self._lock:
                 self.detector.hold(ranks)
+                if self._found is not None:
+                    held = set(ranks)
+                    self._found["verdicts"] = [v for v in self._found["verdicts"] if not set(v["slow_ranks"]) <= held]
+                    if not self._found["verdicts"]:
+                        self._found = None
 
     def retry(self, ranks: list[int], after: int) -> None:
         """Rank 0: forget the verdict on ``ranks`` after ``after`` more observations, so that a
@@ -81,7 +111,10 @@ class Courier:
         with self._lock:
             return self._lock.wait_for(lambda: self._pending == 0, timeout.total_seconds())
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """``failed``: the process is failing; its peers may be gone: the queue is not finished."""
+        if not failed and self.error is None:
+            self.drain(CLOSE_WAIT)
         self._inbox.put(_STOP)
         self._thread.join(timeout=CLOSE_WAIT.total_seconds())
 
@@ -124,5 +157,4 @@ class Courier:
                 found = self._found or {"verdicts": []}
                 found["rows"] = rows
                 found["verdicts"] = found["verdicts"] + [asdict(v) for v in verdicts]
-                found["raised"] = [r for r, sig in enumerate(self.detector.ranks) if sig.raised]
                 self._found = found

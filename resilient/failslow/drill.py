@@ -32,6 +32,7 @@ def train(rank: int, world: int, run_dir: str, steps: int, keep_history: bool = 
     from resilient.job.api import NODE_ENV
     from resilient.runconfig import load_runtime_config
 
+    before = os.environ.get(NODE_ENV)
     if nodes:
         os.environ[NODE_ENV] = nodes[rank]
 
@@ -60,8 +61,11 @@ def train(rank: int, world: int, run_dir: str, steps: int, keep_history: bool = 
     finally:
         job.close()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if nodes:
-            os.environ.pop(NODE_ENV, None)   # the pool's process runs other tasks after this one
+        if nodes:   # the pool's process runs other tasks after this one
+            if before is None:
+                os.environ.pop(NODE_ENV, None)
+            else:
+                os.environ[NODE_ENV] = before
 
 
 def rank0_steps(run_dir: Path) -> Callable[[], list[dict]]:

@@ -255,9 +255,9 @@ class FailSlowMonitor:
             note_leaving(self.replacing)
         return d
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.courier is not None:
-            self.courier.close()
+            self.courier.close(failed)
             self.courier = None
         self.timer.close()
         if self.clock is not None:

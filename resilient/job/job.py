@@ -560,7 +560,7 @@ class Job:
             self.finish()
         for hook in self.hooks:
             hook.close()
-        self.failslow.close()
+        self.failslow.close(failed)
         with self.heartbeat.while_waiting():
             self.keeper.close(failed)
             self.guard.close()
