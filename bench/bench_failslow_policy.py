@@ -2,7 +2,7 @@
 rank, under ``failslow.policy = "report"`` and ``"replace"``.
 
 The chaos harness's ``slow-rank-replace`` scenario (2 nodes x 1 worker + 1 warm spare;
-rank 1 slowed 3x (from step 40 there, 100 here) by a SIGSTOP/SIGCONT duty cycle, chaos/slow.py) is run
+rank 1 slowed 3x (from step 60 there, 100 here) by a SIGSTOP/SIGCONT duty cycle, chaos/slow.py) is run
 twice with the same seed and layout, once per policy, through ``resilient_chaos.runner``
 (no fault-free reference: only throughput is read, so ``training.reference = false`` and
 ``final_state = "skip"``). The slowdown lasts a fixed time, so ``report`` has an "after"
@@ -35,7 +35,7 @@ from common import BENCH, REPO, fig, goal, load_note, row
 SCENARIO = REPO / "chaos" / "scenarios" / "slow-rank-replace.toml"
 POLICIES = ("report", "replace")
 WARMUP_STEPS = 5   # the first steps of a run pay for allocations and the first snapshots
-# The injection comes at step 100, not the scenario's 40: the harness starts the spare's agent
+# The injection comes at step 100, not the scenario's 60 (which was 40): the harness starts the spare's agent
 # once the first round formed, and on a loaded 2-core host it had not registered by step ~46
 # in one quick run (verdict seat "none": nobody to hand the seat to, so nothing replaced).
 INJECT_STEP = 100
