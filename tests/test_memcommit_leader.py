@@ -218,3 +218,15 @@ def test_nodes_handling_versions_at_their_own_pace_under_load_still_commit(fleet
     f.version(step + 1, "t0-000001", ranks, 3)  # the load ends: the newest version is committed
     assert f.commit(step + 1)
     assert not f.errors("b") and not f.errors("c")
+
+
+def test_a_leader_leads_its_worker_groups_versions_under_one_record():
+    """A version's attempt directory is ``<group>-<seq>``: keyed by it, every version had a
+    leader record of its own, and a follower whose newest version the leader skipped waited
+    for a record that never came (the local tier stalled in a two-node job)."""
+    from resilient.snapshot.leadcommit import group_of, leader_key
+
+    assert group_of("fdcfbd36970d-000015") == group_of("fdcfbd36970d-000021") == "fdcfbd36970d"
+    assert leader_key("run", "fdcfbd36970d-000015") == leader_key("run", "fdcfbd36970d-000021")
+    assert group_of("g0") == "g0" and group_of("a-b-000003") == "a-b"   # no seq: the name itself
+    assert group_of("g-12") == "g-12"   # not a sequence number

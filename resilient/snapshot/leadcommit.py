@@ -56,7 +56,18 @@ log = logging.getLogger(__name__)
 
 
 def leader_key(run_id: str, attempt: str) -> str:
-    return f"/resilient/{run_id}/mem/leader/{attempt}"
+    return f"/resilient/{run_id}/mem/leader/{group_of(attempt)}"
+
+
+def group_of(attempt: str) -> str:
+    """The worker group of a version's attempt directory (``<group>-<seq>``, durable.py): a
+    leader leads its group's versions, all of them. Keyed by the directory itself, each
+    version had a leader record of its own, claimed only for the versions the leader took
+    up: a follower whose newest version the leader skipped waited for a record that never
+    came, asked for a target under another key, and no version was committed again
+    (tests/test_metrics.py's two-node job: the local tier stuck at step 15 for 90 s)."""
+    head, sep, seq = attempt.rpartition("-")
+    return head if sep and len(seq) == 6 and seq.isdigit() else attempt
 
 
 def merge_holds(docs, attempt: str, world: int) -> dict[str, list[str]]:
@@ -81,6 +92,7 @@ class LeaderCommit:
         new one's, race there: one leads, the other reports to it)."""
         if 0 not in self.local_ranks:
             return False
+        attempt = group_of(attempt)
         if attempt not in self._leaders:
             key = leader_key(self.run_id, attempt)
             address = self._server.address if self._server is not None else ""
@@ -102,6 +114,7 @@ class LeaderCommit:
         (its first version of the attempt may land after ours), up to ``gather_timeout``."""
         deadline = time.monotonic() + self.opts.gather_timeout.total_seconds()
         delay = 0.01
+        attempt = group_of(attempt)
         while attempt not in self._leaders:
             kv = self.client.get(leader_key(self.run_id, attempt))
             if kv is not None:
@@ -147,7 +160,7 @@ class LeaderCommit:
         """The leader's choice: ``v`` is the version it gathers now (the followers asking learn it,
         and push their replicas of it while the leader pushes its own)."""
         with self._cond:
-            self._target = (v.attempt, v.step)
+            self._target = (group_of(v.attempt), v.step)
             self._cond.notify_all()
 
     def _on_target(self, req: dict) -> dict:
@@ -161,7 +174,7 @@ class LeaderCommit:
         deadline = time.monotonic() + max(0.0, min(wait, self.opts.io_timeout.total_seconds() / 2))
         with self._cond:
             while True:
-                step = self._target[1] if self._target[0] == attempt else -1
+                step = self._target[1] if self._target[0] == group_of(attempt) else -1
                 left = deadline - time.monotonic()
                 if step > after or left <= 0 or self._stop:
                     break

@@ -129,11 +129,11 @@ class ReplicatorOptions:
     # (needs the node's PeerServer: Replicator.serve). Following the leader's choice is what
     # keeps it committing under load: nodes each skipping to their own newest version reported
     # holds of different versions, and the leader committed none (CI: the local tier stuck for
-    # 90 s while training went on); leadcommit.py says more. Still opt-in: with the follow
-    # fix the local tier stalled once more in CI (tests/test_metrics.py's two-node job under
-    # a loaded host, durable commits going on); the agents keep the etcd protocol until that
-    # is understood. bench/scale.py uses the leader (its --commit).
-    protocol: str = "etcd"
+    # 90 s while training went on); leadcommit.py says more. The leader leads its worker
+    # group's versions under one record (leadcommit.group_of): keyed per version, a follower
+    # waited for records the leader never wrote for the versions it skipped, and the local
+    # tier stalled again (tests/test_metrics.py's two-node job, 2 runs in ~12).
+    protocol: str = "leader"
     # How long the leader waits for every node's holds of a version before giving it up.
     gather_timeout: timedelta = timedelta(seconds=10)
 
