@@ -92,38 +92,38 @@ class LeaderCommit:
         new one's, race there: one leads, the other reports to it)."""
         if 0 not in self.local_ranks:
             return False
-        attempt = group_of(attempt)
-        if attempt not in self._leaders:
+        group = group_of(attempt)   # the key of _leaders; leader_key derives it itself
+        if group not in self._leaders:
             key = leader_key(self.run_id, attempt)
             address = self._server.address if self._server is not None else ""
             got = self.client.compare_and_swap(
                 key, self.secret.seal_record(HOLDS, key, {"node": self.node, "store": address}), mod_revision=None)
             if got.succeeded:
-                self._leaders[attempt] = (self.node, address)
+                self._leaders[group] = (self.node, address)
             elif got.kv is not None:
-                self._remember_leader(attempt, got.kv)
-        return self._leaders.get(attempt, ("", ""))[0] == self.node
+                self._remember_leader(group, got.kv)
+        return self._leaders.get(group, ("", ""))[0] == self.node
 
-    def _remember_leader(self, attempt: str, kv) -> None:
+    def _remember_leader(self, group: str, kv) -> None:
         rec = self._authentic(HOLDS, kv, "commit leader record")
         if rec is not None and isinstance(rec.get("node"), str) and isinstance(rec.get("store"), str):
-            self._leaders[attempt] = (rec["node"], rec["store"])
+            self._leaders[group] = (rec["node"], rec["store"])
 
     def _leader(self, attempt: str) -> tuple[str, str] | None:
         """The leader of ``attempt`` (node, store address); waits for it to announce itself
         (its first version of the attempt may land after ours), up to ``gather_timeout``."""
         deadline = time.monotonic() + self.opts.gather_timeout.total_seconds()
         delay = 0.01
-        attempt = group_of(attempt)
-        while attempt not in self._leaders:
+        group = group_of(attempt)   # the key of _leaders; leader_key derives it itself
+        while group not in self._leaders:
             kv = self.client.get(leader_key(self.run_id, attempt))
             if kv is not None:
-                self._remember_leader(attempt, kv)
-            if attempt in self._leaders or time.monotonic() > deadline:
+                self._remember_leader(group, kv)
+            if group in self._leaders or time.monotonic() > deadline:
                 break
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
-        return self._leaders.get(attempt)
+        return self._leaders.get(group)
 
     def _report(self, v: LocalVersion, doc: dict) -> None:
         """Send this node's holds of ``v`` to the leader; its reply says what it committed."""
