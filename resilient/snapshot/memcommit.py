@@ -124,7 +124,7 @@ class ReplicatorOptions:
     # push: each read is etcd CPU on a host that trains (1 s: ~0.7 reads per demo step).
     nodes_ttl: timedelta = timedelta(seconds=10)
     # "etcd": every node records its holds in etcd (N + 1 writes per version, no leader);
-    # "leader" (default): the commit leader (rank 0's node) chooses the version, the others
+    # "leader": the commit leader (rank 0's node) chooses the version, the others
     # handle that one and send their holds over the peer channel, one commit txn per version
     # (needs the node's PeerServer: Replicator.serve). Following the leader's choice is what
     # keeps it committing under load: nodes each skipping to their own newest version reported
@@ -132,8 +132,10 @@ class ReplicatorOptions:
     # 90 s while training went on); leadcommit.py says more. The leader leads its worker
     # group's versions under one record (leadcommit.group_of): keyed per version, a follower
     # waited for records the leader never wrote for the versions it skipped, and the local
-    # tier stalled again (tests/test_metrics.py's two-node job, 2 runs in ~12).
-    protocol: str = "leader"
+    # tier stalled again (tests/test_metrics.py's two-node job, 2 runs in ~12; fixed). Still
+    # opt-in for the agents: the first CI run with it as the default failed once in
+    # tests/test_sdc_train.py (two persistent verdicts for one fault), cause not yet known.
+    protocol: str = "etcd"
     # How long the leader waits for every node's holds of a version before giving it up.
     gather_timeout: timedelta = timedelta(seconds=10)
 
