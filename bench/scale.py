@@ -263,24 +263,34 @@ def simulate(n: int, endpoint: str, metrics_url: str, etcd_pids: list[int], args
 def _versions(fleet: Fleet, client: EtcdClient, meter: Meter, run_id: str, args, n: int) -> dict:
     """``args.versions`` versions one after another: each written by every node, then waited
     for until its peer-tier commit record exists. The orchestrator's own polls are ranges,
-    subtracted from the counts."""
-    latencies, own = [], 0
-    _settled_compaction(client)
-    db0 = scrape(meter.url).get("db_in_use", 0.0)
-    m = meter.mark()
-    for step in range(1, args.versions + 1):
-        _line(f"N={n}: version {step}/{args.versions}")
+    subtracted from the counts. One version before them is not measured: there each node
+    reads the node registry whole, once in its life (N entries), not once per version."""
+    def one(step: int) -> float | None:
+        """The commit latency of ``step`` (None: not committed within --commit-timeout)."""
+        nonlocal own
         t0 = time.monotonic()
         fleet.all("version", step)
         deadline = t0 + args.commit_timeout
         while client.get(commit_key(run_id, "memory", step)) is None:
             own += 1
             if time.monotonic() > deadline:
-                break
+                return None
             time.sleep(0.01)
-        else:
-            latencies.append(time.monotonic() - t0)
         own += 1
+        return time.monotonic() - t0
+
+    own = 0
+    _line(f"N={n}: version 0 (warm-up, not measured)")
+    one(0)
+    _settled_compaction(client)
+    db0 = scrape(meter.url).get("db_in_use", 0.0)
+    m, own = meter.mark(), 0
+    latencies = []
+    for step in range(1, args.versions + 1):
+        _line(f"N={n}: version {step}/{args.versions}")
+        latency = one(step)
+        if latency is not None:
+            latencies.append(latency)
     d = meter.since(m)
     errors = fleet.all("errors")
     _settled_compaction(client)

@@ -47,7 +47,7 @@ def test_a_node_watches_its_ring_neighbours_and_everyone_now_and_then(etcd, job_
             client.on_request = lambda path, seconds: counted.append(path)
             full_next(me, others)
             assert me.lost(others, neighbours=2) == set()  # a full check reads everyone
-            assert counted == ["/kv/range"]
+            assert counted == ["/kv/txn"]  # the count and the entries changed since: all, the first time
             assert me.lost(others, neighbours=2) == set()
             assert counted[1:] == ["/kv/txn"]  # then one read of three keys (n1, n2 and its own)
             regs["n1"].leave()  # a neighbour: seen on the second miss in a row
@@ -76,13 +76,25 @@ def test_the_replicators_registry_reader_reads_again_only_after_a_change(etcd, j
                 r.claim()
             read, paths = RegistryReader(client, run_id, job_secret), []
             client.on_request = lambda path, seconds: paths.append(path)
-            assert sorted(read()) == ["n0", "n1", "n2"] and paths == ["/kv/txn", "/kv/range"]
+            assert sorted(read()) == ["n0", "n1", "n2"] and paths == ["/kv/txn"]
             paths.clear()
             assert sorted(read()) == ["n0", "n1", "n2"] and paths == ["/kv/txn"]  # unchanged: one small read
+            # A change: only the changed entry comes back (and is checked), in the same one request.
             regs[1].update(metrics="127.0.0.1:1")
-            assert read()["n1"]["metrics"] == "127.0.0.1:1"
+            count, changed, _ = client.prefix_since(regs[0].prefix, read._revision)
+            assert count == 3 and [kv.key.decode() for kv in changed] == [regs[0].prefix + "n1"]
+            paths.clear()
+            assert read()["n1"]["metrics"] == "127.0.0.1:1" and paths == ["/kv/txn"]
+            # A removal: the bare keys tell which.
             regs[2].leave()
-            assert sorted(read()) == ["n0", "n1"]
+            paths.clear()
+            assert sorted(read()) == ["n0", "n1"] and paths == ["/kv/txn", "/kv/range"]
+            # A forged overwrite drops the entry; a new node's entry is added.
+            client.put(regs[0].prefix + "n0", '{"node": "n0", "mac": "00"}')
+            extra = NodeRegistry(client, run_id, "n5", "d", timedelta(seconds=30))
+            extra.claim()
+            regs.append(extra)
+            assert sorted(read()) == ["n1", "n5"]
         finally:
             client.on_request = None
             for r in regs:

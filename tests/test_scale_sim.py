@@ -41,5 +41,6 @@ def test_64_nodes_form_reform_and_commit_at_a_cost_independent_of_n(etcd, tmp_pa
         assert again["writes"] <= 3 * n, again
         v = r["versions"]
         assert v["committed"] == VERSIONS, v
-    # one commit txn (2 puts) per version, plus the leader's record once per attempt
-    assert got[16]["versions"]["writes"] == got[64]["versions"]["writes"] == 2 * VERSIONS + 1
+    # one commit txn (2 puts) per version (the leader's record, once per attempt, came with
+    # the unmeasured warm-up version)
+    assert got[16]["versions"]["writes"] == got[64]["versions"]["writes"] == 2 * VERSIONS

@@ -317,15 +317,22 @@ class EtcdClient:
         resp = self._post("/kv/range", _range(prefix), f"get prefix {prefix!r}")
         return [_kv(kv) for kv in resp.get("kvs") or []]
 
-    def prefix_changes(self, prefix: bytes | str, since: int) -> tuple[int, int, int]:
-        """(keys under ``prefix``, of them modified after revision ``since``, the cluster's
-        revision now), in one small request: whether a cached read of the prefix is stale."""
-        # keys_only, not count_only: etcd counts before it applies min_mod_revision.
+    def prefix_since(self, prefix: bytes | str, since: int) -> tuple[int, list[KeyValue], int]:
+        """(keys under ``prefix``, those of them modified after revision ``since`` with their
+        values, the cluster's revision of the read), in one request at one revision: what a
+        cached read of the prefix must apply to be current (plus deletions, which the count
+        tells: :meth:`prefix_keys`)."""
         ops = [{"request_range": {**_range(prefix), "count_only": True}},
-               {"request_range": {**_range(prefix), "keys_only": True, "min_mod_revision": int(since) + 1}}]
+               {"request_range": {**_range(prefix), "min_mod_revision": int(since) + 1}}]
         resp = self.txn([], ops, [])
         reads = [_response(r, "range") for r in resp.get("responses") or []] + [{}, {}]
-        return int(reads[0].get("count", 0)), len(reads[1].get("kvs") or []), int(resp["header"]["revision"])
+        return (int(reads[0].get("count", 0)), [_kv(kv) for kv in reads[1].get("kvs") or []],
+                int(resp["header"]["revision"]))
+
+    def prefix_keys(self, prefix: bytes | str) -> list[bytes]:
+        """The keys under ``prefix``, without their values."""
+        resp = self._post("/kv/range", {**_range(prefix), "keys_only": True}, f"list keys {prefix!r}")
+        return [_unb64(kv.get("key")) for kv in resp.get("kvs") or []]
 
     def count_prefix(self, prefix: bytes | str) -> int:
         body = {**_range(prefix), "count_only": True}

@@ -158,7 +158,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
             r = self._abandon(r)  # our agent restarts its workers: every member re-forms
         call = _LastCall(self.settings)
         while True:
-            got = self._poll(r, count=f"{self.base}/{r}/join/")
+            got = self._poll(r, count=f"{self.base}/{r}/join/", read_done=True)
             if got.closed:
                 if self._spare:
                     raise RendezvousGracefulExitError(f"the rendezvous {self.run_id!r} is closed: a spare leaves")
@@ -235,17 +235,23 @@ class KeyedRendezvousHandler(RendezvousHandler):
     @dataclass
     class _Seen:
         round: int
-        done: bytes | None
+        done: bytes | None   # round r's membership record (b"" when only its existence was read)
         count: int
         closed: bool
         mine: bool   # this node's join key of round r exists
         oldest: str | None  # the oldest join key of round r (its closer)
 
-    def _poll(self, r: int, count: str) -> "KeyedRendezvousHandler._Seen":
+    def _poll(self, r: int, count: str, read_done: bool = False) -> "KeyedRendezvousHandler._Seen":
         """The round counter, round r's ``done``, how many keys under ``count``, ``closed``,
-        whether this node's join key is there: one transaction of five small reads."""
+        whether this node's join key is there: one transaction of six small reads.
+
+        ``done`` is the O(N) membership record; only a joining node reads it (``read_done``).
+        The members' own checks (:meth:`round_lost`, :meth:`num_nodes_waiting`, every few
+        seconds on every node) only need to know it exists: reading it there was N² bytes a
+        check across the fleet (bench/scale.py at 256 nodes: 38 MB of etcd traffic in one
+        re-form and its settling)."""
         ops = [{"request_range": {"key": _b64(f"{self.base}/round")}},
-               {"request_range": {"key": _b64(f"{self.base}/{r}/done")}},
+               {"request_range": {"key": _b64(f"{self.base}/{r}/done"), **({} if read_done else {"count_only": True})}},
                {"request_range": {**_range(count), "count_only": True}},
                {"request_range": {"key": _b64(f"{self.base}/closed")}},
                {"request_range": {"key": _b64(f"{self.base}/{r}/join/{self._node}"), "count_only": True}},
@@ -255,7 +261,10 @@ class KeyedRendezvousHandler(RendezvousHandler):
         reads = [_response(x, "range") for x in resp.get("responses") or []]
         kvs = [(x.get("kvs") or [None])[0] for x in reads]
         round_now = self._round_of(_decode(kvs[0]["value"])) if kvs[0] else 0
-        done = _decode(kvs[1]["value"]) if kvs[1] else None
+        if read_done:
+            done = _decode(kvs[1]["value"]) if kvs[1] else None
+        else:
+            done = b"" if int(reads[1].get("count", 0)) > 0 else None
         oldest = _decode(kvs[5]["key"]).decode() if len(kvs) > 5 and kvs[5] else None
         return self._Seen(round_now, done, int(reads[2].get("count", 0)), kvs[3] is not None,
                           int(reads[4].get("count", 0)) > 0, oldest)
