@@ -129,7 +129,9 @@ class SimNode:
     def joined(self, info) -> None:
         self.rank, self.world = info.rank, info.world_size
         # As the agent's _join_round: publish our node id in the round's store, learn everyone's.
-        self.round_nodes = set(exchange_node_ids(info.store, self.rank, self.world, self.name))
+        ids = exchange_node_ids(info.store, self.rank, self.world, self.name)
+        self.round_nodes = set(ids)
+        self.registry.know_round(self.handler.members_by_rank(), ids)
         self.round = self.handler._joined[0] if self.keyed else self.handler._state_holder.state.round
         self.replicator.set_workers({self.rank}, self.world)
 

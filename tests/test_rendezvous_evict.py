@@ -105,5 +105,16 @@ def test_registry_proves_a_node_dead_only_when_its_port_refuses(etcd):
             NodeRegistry(client, run_id, node, "r1", timedelta(seconds=30)).update(rdzv=rdzv, store=store)
         names = ["host_1_0", "host_2_0", "host_3_0", "host_4_0", "host_5_0"]  # host_5_0: not registered
         assert me.proven_dead(names) == {"host_3_0"}
+        # Knowing its round (names and node ids by rank), a node reads the named entries alone.
+        other = NodeRegistry(client, run_id, "other", "r0", timedelta(seconds=30))
+        other.update(rdzv="host_6_0", store="127.0.0.1:1")
+        other.know_round(["host_6_0", "host_2_0", "host_3_0", "host_4_0"], ["other", "up", "down", "no-store"])
+        paths: list[str] = []
+        client.on_request = lambda path, seconds: paths.append(path)
+        try:
+            assert other.proven_dead(["host_2_0", "host_3_0", "host_4_0"]) == {"host_3_0"}
+        finally:
+            client.on_request = None
+        assert paths == ["/kv/txn"]  # one read of four keys, not the whole registry
     assert refuses_connections(f"127.0.0.1:{_closed_port()}", timedelta(seconds=1))
     assert not refuses_connections("not-an-address", timedelta(seconds=1))

@@ -287,8 +287,12 @@ class ResilientAgent(SimpleElasticAgent):
     def _join_round(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         # Publish who we are in this round's store, learn who the others are.
-        self.round_nodes = set(exchange_node_ids(worker_group.store, worker_group.group_rank,
-                                                 worker_group.group_world_size, self.settings.node_id))
+        ids = exchange_node_ids(worker_group.store, worker_group.group_rank,
+                                worker_group.group_world_size, self.settings.node_id)
+        self.round_nodes = set(ids)
+        by_rank = getattr(worker_group.spec.rdzv_handler, "members_by_rank", None)
+        if self.registry is not None and by_rank is not None:  # proven_dead's names, without a full read
+            self.registry.know_round(by_rank(), ids)
 
     # -- workers ----------------------------------------------------------------
     def _worker_env(self, wg: WorkerGroup, worker) -> dict[str, str]:

@@ -128,6 +128,7 @@ class NodeRegistry:
         self._checks = 0                              # lost() calls: every few is a full read
         self._stores: dict[str, str] = {}             # rdzv name -> store address, from the last full read
         self._everyone = RegistryReader(client, run_id, self.secret, events)  # the full reads, incremental
+        self._ids: dict[str, str] = {}                # rdzv name -> node id, of this node's round
 
     def update(self, **info) -> None:
         """Add fields to this node's description (e.g. its store address) and re-publish it."""
@@ -263,13 +264,18 @@ class NodeRegistry:
         """The rendezvous names (``rdzv``) among ``names`` whose agent is certainly gone:
         its snapshot server refuses connections. A timeout, an unknown name or an
         unreachable etcd proves nothing (a partition, a slow host, an outage)."""
-        # Known from the last full read (the membership checks make one now and then): at a
-        # re-form every agent reading every entry again would be N² records.
+        # Known from the last full read (the membership checks make one now and then), or read
+        # for these names alone (their node ids from the round, :meth:`know_round`): at a
+        # re-form every agent reading every entry would be N² records.
         stores = self._stores
         if not all(n in stores for n in names):
-            if self.alive() is None:
+            if all(n in self._ids for n in names):
+                nodes = self._read([self._ids[n] for n in names])
+                stores = {d.get("rdzv"): d.get("store") for d in (nodes or {}).values()}
+            elif self.alive() is None:
                 return set()
-            stores = self._stores
+            else:
+                stores = self._stores
         targets = [n for n in names if stores.get(n)]
         if len(targets) <= 1:
             return {n for n in targets if refuses_connections(stores[n], timeout)}
@@ -277,6 +283,10 @@ class NodeRegistry:
         with ThreadPoolExecutor(min(len(targets), 16), thread_name_prefix="probe") as pool:
             verdicts = list(pool.map(lambda n: refuses_connections(stores[n], timeout), targets))
         return {n for n, dead in zip(targets, verdicts) if dead}
+
+    def know_round(self, rdzv_names: list[str], node_ids: list[str]) -> None:
+        """This node's round: its members' rendezvous names and node ids, both by rank."""
+        self._ids = dict(zip(rdzv_names, node_ids)) if len(rdzv_names) == len(node_ids) else {}
 
     def leave(self) -> None:
         """Revoke the lease: our key disappears now, not ``ttl`` later."""

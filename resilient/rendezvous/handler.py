@@ -127,7 +127,12 @@ class ResilientRendezvousHandler(DynamicRendezvousHandler):
     def _get_world(self) -> tuple[int, int]:
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
+        self._by_rank = [repr(n) for n, _ in sorted(state.participants.items(), key=lambda item: item[1])]
         return super()._get_world()
+
+    def members_by_rank(self) -> list[str]:
+        """The names (as :meth:`evict` gives them) of this node's round's members, by rank."""
+        return list(getattr(self, "_by_rank", []))
 
     def num_nodes_waiting(self) -> int:
         with self._heartbeat_lock:

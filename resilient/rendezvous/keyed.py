@@ -190,6 +190,10 @@ class KeyedRendezvousHandler(RendezvousHandler):
             self._sleep(got.count)
 
     # -- what the agent adds -------------------------------------------------------
+    def members_by_rank(self) -> list[str]:
+        """The names (as :meth:`evict` gives them) of this node's round's members, by rank."""
+        return list(self._joined[1]) if self._joined is not None else []
+
     def round_lost(self) -> str | None:
         """Why this node's round cannot go on (see ``ResilientRendezvousHandler.round_lost``)."""
         if self._joined is None:
