@@ -152,3 +152,25 @@ def test_a_final_snapshot_that_cannot_be_written_fails_the_run(corpus, tmp_path)
     assert "the final snapshot of step 3 could not be made durable" in proc.stderr
     assert "a file stands where a directory" in proc.stderr
     assert len(events(tmp_path / "run", "workers_started")) == 1  # no restart: it would fail the same way
+
+
+def test_a_node_whose_worker_leaves_for_quarantine_admits_nobody_until_it_has(tmp_path):
+    """The bad node's worker marks itself before the barrier its peers leave by; until it
+    has exited (QUARANTINE_EXIT), its agent reports no waiting node, so it cannot restart
+    (kill) the worker and lose the exit code (tests/test_sdc_train.py saw the node re-join
+    and corrupt the replayed step again). The mark goes with the worker's slot."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from resilient.agent.agent import ResilientAgent
+    from resilient.agent.heartbeat import HeartbeatMonitor, HeartbeatWriter
+
+    monitor = HeartbeatMonitor(tmp_path / "beats", timedelta(seconds=30), timedelta(seconds=60))
+    monitor.reset(0)
+    agent = SimpleNamespace(failslow=SimpleNamespace(leaving=lambda: False), _handler_nodes_waiting=lambda: 1,
+                            _etcd_down_since=None, heartbeats=monitor, procs={0: None})
+    assert ResilientAgent._nodes_waiting(agent) == 1
+    HeartbeatWriter(monitor.path(0)).mark_quarantine()
+    assert monitor.quarantine_marked(0) and ResilientAgent._nodes_waiting(agent) == 0
+    monitor.reset(0)   # a new worker in the slot
+    assert not monitor.quarantine_marked(0) and ResilientAgent._nodes_waiting(agent) == 1

@@ -250,6 +250,14 @@ class ResilientAgent(SimpleElasticAgent):
             log.warning("etcd at %s answers again after %.0f s", self.settings.etcd_endpoint,
                         time.monotonic() - self._etcd_down_since)
             self._etcd_down_since = None
+        # A worker of this node is leaving to have the node quarantined (its device is bad):
+        # the others left at the same barrier and may already wait in the next round, but a
+        # restart now would kill the worker before its QUARANTINE_EXIT is seen, and this node
+        # would join that round and corrupt again. Let it exit; _monitor_workers quarantines.
+        # Read after the waiting count: a node waits only after that barrier, which this
+        # worker reaches after its mark.
+        if waiting and any(self.heartbeats.quarantine_marked(r) for r in self.procs):
+            return 0
         return waiting
 
     # -- rendezvous -----------------------------------------------------------

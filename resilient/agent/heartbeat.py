@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 HEARTBEAT_ENV = "RESILIENT_HEARTBEAT_FILE"
+QUARANTINE_SUFFIX = ".quarantine"  # beside a worker's heartbeat file: HeartbeatWriter.mark_quarantine
 
 
 class HeartbeatWriter:
@@ -38,6 +39,15 @@ class HeartbeatWriter:
                 os.utime(self.path, None)
             except FileNotFoundError:
                 Path(self.path).touch()
+
+    def mark_quarantine(self) -> None:
+        """This worker's device is confirmed bad and it is about to leave: tell its agent
+        now. The exit code (QUARANTINE_EXIT) comes only once the process is gone, and by
+        then the other nodes, whose workers left at the same barrier, may already wait in
+        the next round: an agent that sees them waiting restarts (kills) its workers and
+        never sees the code."""
+        if self.path:
+            Path(self.path + QUARANTINE_SUFFIX).touch()
 
     @contextlib.contextmanager
     def while_waiting(self, every: timedelta = timedelta(seconds=1)):
@@ -75,7 +85,12 @@ class HeartbeatMonitor:
         """A new worker takes the slot: forget the old one's beats."""
         p = Path(self.path(local_rank))
         p.unlink(missing_ok=True)
+        Path(self.path(local_rank) + QUARANTINE_SUFFIX).unlink(missing_ok=True)
         self._started[local_rank] = time.time()
+
+    def quarantine_marked(self, local_rank: int) -> bool:
+        """Whether the worker said its device is bad (HeartbeatWriter.mark_quarantine)."""
+        return os.path.exists(self.path(local_rank) + QUARANTINE_SUFFIX)
 
     def silent_for(self, local_rank: int) -> tuple[float, float] | None:
         """(seconds since the last beat, the timeout that applies), or None if fine."""

@@ -498,6 +498,8 @@ class Job:
             # before anyone leaves (the barrier), so none can be restored.
             if decision.rollback_to is not None:
                 self.keeper.abandon_after(decision.rollback_to)
+            if self.rank in decision.quarantine:   # before the barrier: see HeartbeatWriter.mark_quarantine
+                self.heartbeat.mark_quarantine()
             if dist.is_initialized():
                 dist.barrier()
             self._leaving = True
