@@ -450,7 +450,7 @@ def store_settings(snap: SnapshotConfig):
     # steps need not be multiples of anything: the replicator takes every version (stride 1).
     return StoreSettings(base=snap.store_dir, replicas=snap.replicas, keep=snap.store_keep,
                          rate_bytes_s=snap.replicate_mib_s * (1 << 20), host=snap.store_host,
-                         duty=snap.replicate_duty,
+                         duty=snap.replicate_duty, commit=snap.commit,
                          max_stride=1 if "memory" in snap.auto_tiers else snap.replicate_max_stride)
 
 

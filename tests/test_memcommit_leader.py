@@ -230,3 +230,14 @@ def test_a_leader_leads_its_worker_groups_versions_under_one_record():
     assert leader_key("run", "fdcfbd36970d-000015") == leader_key("run", "fdcfbd36970d-000021")
     assert group_of("g0") == "g0" and group_of("a-b-000003") == "a-b"   # no seq: the name itself
     assert group_of("g-12") == "g-12"   # not a sequence number
+
+
+def test_the_agents_take_the_commit_protocol_from_the_snapshot_config():
+    from resilient.errors import ConfigError
+    from resilient.launch import store_settings
+    from resilient.snapshot.config import SnapshotConfig
+
+    assert store_settings(SnapshotConfig()).commit == "etcd"
+    assert store_settings(SnapshotConfig(commit="leader")).commit == "leader"
+    with pytest.raises(ConfigError, match="'snapshot.commit' = 'ledaer': use 'etcd' or 'leader'"):
+        SnapshotConfig(commit="ledaer")

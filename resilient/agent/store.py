@@ -42,6 +42,7 @@ class StoreSettings:
     host: str = "0.0.0.0"
     duty: float = 0.1
     max_stride: int = 1
+    commit: str = "etcd"
 
 
 class NodeStoreService:
@@ -66,7 +67,8 @@ class NodeStoreService:
         self.replicator = Replicator(
             self.store, self.client, run_id, node, secret, self.live_nodes,
             ReplicatorOptions(k=settings.replicas, keep=settings.keep, rate=settings.rate_bytes_s,
-                              duty=settings.duty, max_stride=settings.max_stride), events)
+                              duty=settings.duty, max_stride=settings.max_stride, protocol=settings.commit),
+            events)
         self.replicator.serve(self.server)  # it collects its peers' holds when it leads a commit
         self._full_seen = 0.0        # the time of the last full-store warning already reported
         self._next_full_check = 0.0

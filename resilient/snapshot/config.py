@@ -59,6 +59,7 @@ class SnapshotConfig:
     # host where replication eats into training (2 shared cores) 2 halves its cost.
     replicate_max_stride: int = knob(1, "peer RAM budget: replicate at least every N-th version; 1 = every version (at most one step lost per failure); 2 = every 2nd when replication costs more than replicate_duty (a failure may lose one step more)")
     store_host: str = knob("0.0.0.0", "peer RAM: address the node store's server binds to")
+    commit: str = knob("etcd", "memory tiers' commit protocol: 'etcd' (every node records its holds in etcd: N + 1 etcd writes per version) or 'leader' (rank 0's node gathers the holds over the peer channel: 2 etcd writes per version, whatever N; for fleets beyond a few dozen nodes, see the README's etcd sizing)")
 
     def __post_init__(self) -> None:
         self.every = _interval("every", self.every)
@@ -68,6 +69,8 @@ class SnapshotConfig:
         if not 1 <= self.auto_min_steps <= self.auto_max_steps:
             raise ConfigError(f"'snapshot.auto_min_steps' = {self.auto_min_steps}, 'snapshot.auto_max_steps' = "
                               f"{self.auto_max_steps}: expected 1 <= auto_min_steps <= auto_max_steps")
+        if self.commit not in ("etcd", "leader"):
+            raise ConfigError(f"'snapshot.commit' = {self.commit!r}: use 'etcd' or 'leader'")
         if not self.auto_mtbf_hours > 0:
             raise ConfigError(f"'snapshot.auto_mtbf_hours' = {self.auto_mtbf_hours!r}: expected hours > 0")
 
