@@ -234,6 +234,11 @@ def fleet_main(conn, names: list[str], domains: list[str], cfg: dict[str, Any]) 
                 seconds, every = arg
                 _idle(live, set(cfg["names"]), seconds, every)
                 conn.send(("ok", []))
+            elif cmd == "prime":   # every node's first full read of the registry, spread over arg seconds
+                for n in live:
+                    n.registry.alive()
+                    time.sleep(arg / max(1, len(live)))
+                conn.send(("ok", []))
             elif cmd == "settings":
                 for n in nodes:
                     n.settings(**arg)

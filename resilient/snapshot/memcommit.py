@@ -132,10 +132,9 @@ class ReplicatorOptions:
     # 90 s while training went on); leadcommit.py says more. The leader leads its worker
     # group's versions under one record (leadcommit.group_of): keyed per version, a follower
     # waited for records the leader never wrote for the versions it skipped, and the local
-    # tier stalled again (tests/test_metrics.py's two-node job, 2 runs in ~12; fixed). Still
-    # opt-in for the agents: the first CI run with it as the default failed once in
-    # tests/test_sdc_train.py (two persistent verdicts for one fault), cause not yet known.
-    protocol: str = "etcd"
+    # tier stalled again (tests/test_metrics.py's two-node job, 2 runs in ~12; fixed). The
+    # agents take it from ``snapshot.commit`` (default "leader"; StoreSettings.commit).
+    protocol: str = "leader"
     # How long the leader waits for every node's holds of a version before giving it up.
     gather_timeout: timedelta = timedelta(seconds=10)
 
