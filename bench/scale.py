@@ -287,7 +287,8 @@ def _versions(fleet: Fleet, client: EtcdClient, meter: Meter, run_id: str, args,
 
     own = 0
     _line(f"N={n}: version 0 (warm-up, not measured)")
-    one(0)
+    if one(0) is None:
+        raise RuntimeError(f"N={n}: the warm-up version was not committed within --commit-timeout")
     _settled_compaction(client)
     db0 = scrape(meter.url).get("db_in_use", 0.0)
     m, own = meter.mark(), 0

@@ -174,3 +174,14 @@ def test_a_node_whose_worker_leaves_for_quarantine_admits_nobody_until_it_has(tm
     assert monitor.quarantine_marked(0) and ResilientAgent._nodes_waiting(agent) == 0
     monitor.reset(0)   # a new worker in the slot
     assert not monitor.quarantine_marked(0) and ResilientAgent._nodes_waiting(agent) == 1
+    # The mark is the verdict itself: a healthy local worker of the same node, leaving by the
+    # same barrier with exit 1, may be seen first; the node is quarantined all the same.
+    emitted = []
+    vars(agent).update(registry=None, quarantined=False, _remaining_restarts=3, procs={0: None, 1: None},
+                 settings=SimpleNamespace(node_id="b", run_id="r"),
+                 events=SimpleNamespace(emit=lambda kind, **f: emitted.append((kind, f))))
+    HeartbeatWriter(monitor.path(0)).mark_quarantine()
+    ResilientAgent._quarantine_if_asked(agent, {1: SimpleNamespace(exitcode=1, local_rank=1)})
+    assert agent.quarantined and agent._remaining_restarts == 0
+    assert emitted == [("quarantine", {"node": "b", "reason": "silent data corruption confirmed by the SDC monitor",
+                                       "local_ranks": [0], "device": "b:0"})]

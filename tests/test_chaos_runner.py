@@ -136,7 +136,7 @@ def test_a_short_fail_slow_campaign_names_the_fault_within_its_bound(tmp_path, n
     if topo.get("network") == "netns" and (why := netns_unavailable()) is not None:
         pytest.skip(f"network namespaces unusable: {why}")
     fault = shipped["faults"][0]
-    params = ", ".join(f"{k} = {v}" for k, v in fault["params"].items())
+    params = ", ".join(f"{k} = {json.dumps(v)}" for k, v in fault["params"].items())
     faults = f"""
 [[faults]]
 kind = "{fault['kind']}"

@@ -425,8 +425,10 @@ class ResilientAgent(SimpleElasticAgent):
                 self.events.emit("heartbeat_timeout", local_rank=local_rank, pid=wp.pid,
                                  seconds_since_beat=silent[0], timeout=silent[1])
                 self.events.emit("failure", kind=FailureKind.HANG.value, local_rank=local_rank, pid=wp.pid)
-                return RunResult(state=WorkerState.UNHEALTHY,
-                                 failures=self._failure(worker_group, local_rank, wp, -signal.SIGKILL))
+                failure = self._failure(worker_group, local_rank, wp, -signal.SIGKILL)
+                self._quarantine_if_asked(failure)   # stuck on its way out to quarantine: still quarantined
+                return RunResult(state=WorkerState.FAILED if self.quarantined else WorkerState.UNHEALTHY,
+                                 failures=failure)
         self._refill_when_running()
         self._check_membership(worker_group)
         self.failslow.publish(self.round_nodes)
@@ -446,13 +448,16 @@ class ResilientAgent(SimpleElasticAgent):
         """A worker that exits with QUARANTINE_EXIT sits on a device the SDC
         monitor confirmed bad: record this node as quarantined in etcd and
         stop (no restart here); the other nodes re-form without it."""
-        bad = [f for f in failures.values() if f.exitcode == QUARANTINE_EXIT]
+        # The worker's mark (HeartbeatWriter.mark_quarantine) is the verdict too: the node's other
+        # workers exit 1 at the same barrier and may be seen first; a restart would kill the bad one.
+        bad = sorted({f.local_rank for f in failures.values() if f.exitcode == QUARANTINE_EXIT}
+                     | {r for r in self.procs if self.heartbeats.quarantine_marked(r)})
         if not bad:
             return
         self.quarantined = True
         self._remaining_restarts = 0
         record = {"reason": "silent data corruption confirmed by the SDC monitor",
-                  "local_ranks": [f.local_rank for f in bad], "device": f"{self.settings.node_id}:{bad[0].local_rank}"}
+                  "local_ranks": bad, "device": f"{self.settings.node_id}:{bad[0]}"}
         if self.registry is not None:
             try:
                 Quarantine(self.registry.client, self.settings.run_id).add(self.settings.node_id, **record)

@@ -79,13 +79,14 @@ class RegistryReader:
         self.client, self.run_id, self.secret, self.events = client, run_id, JobSecret.of(secret), events
         self._nodes: dict[str, dict] = {}   # the authentic entries
         self._present: set[str] = set()     # every key there, authentic or not (the count's)
+        self._bad: set[str] = set()         # there, but unauthentic at their last change
         self._revision = 0
 
     def __call__(self) -> dict[str, dict]:
         prefix = registry_prefix(self.run_id)
         count, changed, revision = self.client.prefix_since(prefix, self._revision)
         if revision < self._revision:  # another etcd (restored from an older snapshot, wiped): read afresh
-            self._nodes, self._present, self._revision = {}, set(), 0
+            self._nodes, self._present, self._bad, self._revision = {}, set(), set(), 0
             count, changed, revision = self.client.prefix_since(prefix, 0)
         for kv in changed:
             key = kv.key.decode(errors="replace")
@@ -93,12 +94,20 @@ class RegistryReader:
             self._present.add(name)
             try:
                 self._nodes[name] = self.secret.open_record(PURPOSE, key, kv.value)
+                self._bad.discard(name)
             except Unauthentic as e:  # a forged overwrite is not the entry any more
                 self._nodes.pop(name, None)
+                self._bad.add(name)
                 report_unauthentic(self.events, "node registry entry", key, e)
         if count != len(self._present):  # some were removed: which, from the bare keys
             self._present = {k.decode(errors="replace").removeprefix(prefix) for k in self.client.prefix_keys(prefix)}
             self._nodes = {n: d for n, d in self._nodes.items() if n in self._present}
+            self._bad &= self._present
+        elif self._present - self._nodes.keys() - self._bad:
+            # A key whose value this reader never saw, unchanged since its last read: only an etcd
+            # whose revisions went back and caught up between two reads (an older snapshot). Afresh.
+            self._nodes, self._present, self._bad, self._revision = {}, set(), set(), 0
+            return self()
         self._revision = revision
         return dict(self._nodes)
 
