@@ -294,7 +294,8 @@ def test_prometheus_scrapes_a_running_two_node_job(corpus, tmp_path, etcd):
         for series in ("resilient_training_step > 0", "resilient_training_tokens_per_second > 0",
                        "resilient_snapshot_blocked_seconds_count > 0", "resilient_snapshot_size_bytes_sum > 0",
                        "resilient_world_size == 2", "resilient_rendezvous_rounds_total >= 1",
-                       'sum by (instance) (resilient_etcd_request_duration_seconds_count{op="/kv/range"}) > 0'):
+                       # txn: every agent's rendezvous checks (the registry, read incrementally, asks by txn too)
+                       'sum by (instance) (resilient_etcd_request_duration_seconds_count{op="/kv/txn"}) > 0'):
             # Waited for, not read once: a series appears at its event's step (the capture's
             # blocked time comes with the durable versions, every 5th step) plus a scrape.
             wait_for(lambda: len(prom.query(series)) == 2, 60, series)

@@ -247,8 +247,11 @@ class EtcdClient:
             except TransportError as exc:
                 text = exc.detail_text or str(exc)
                 auth_problem = any(m in text.lower() for m in _AUTH_MARKERS)
-                if self._username and not reauthed and "token" in text.lower():
-                    # Simple tokens expire (default 5 min): log in again once.
+                if self._username and not reauthed and ("token" in text.lower() or "user name is empty" in text):
+                    # Simple tokens expire (default 5 min), and an etcd that restarted has forgotten
+                    # them: it then sees a request as from no user ("user name is empty"). Log in
+                    # again once (tests/test_control_plane_faults.py: an agent refused after its
+                    # embedded etcd was killed and restarted).
                     reauthed = True
                     self._set_token(None)
                     continue
