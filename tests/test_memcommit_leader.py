@@ -237,7 +237,7 @@ def test_the_agents_take_the_commit_protocol_from_the_snapshot_config():
     from resilient.launch import store_settings
     from resilient.snapshot.config import SnapshotConfig
 
-    assert store_settings(SnapshotConfig()).commit == "leader"
-    assert store_settings(SnapshotConfig(commit="etcd")).commit == "etcd"
+    assert store_settings(SnapshotConfig()).commit == "etcd"
+    assert store_settings(SnapshotConfig(commit="leader")).commit == "leader"
     with pytest.raises(ConfigError, match="'snapshot.commit' = 'ledaer': use 'etcd' or 'leader'"):
         SnapshotConfig(commit="ledaer")

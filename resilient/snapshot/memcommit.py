@@ -133,8 +133,9 @@ class ReplicatorOptions:
     # group's versions under one record (leadcommit.group_of): keyed per version, a follower
     # waited for records the leader never wrote for the versions it skipped, and the local
     # tier stalled again (tests/test_metrics.py's two-node job, 2 runs in ~12; fixed). The
-    # agents take it from ``snapshot.commit`` (default "leader"; StoreSettings.commit).
-    protocol: str = "leader"
+    # agents take it from ``snapshot.commit`` (default "etcd" until tests/test_job_launch.py's
+    # peer-RAM restore, which timed out once with "leader" as the default, is understood).
+    protocol: str = "etcd"
     # How long the leader waits for every node's holds of a version before giving it up.
     gather_timeout: timedelta = timedelta(seconds=10)
 
