@@ -168,7 +168,8 @@ def replay(history: list, cause: str, factor: float, starts: list[int], span: in
             rows = history[i][1]
             if i >= start:
                 rows = slow_down(rows, cause, factor, ranks=SLOW[cause])
-            verdicts = det.observe(i, rows)
+            # a suspect is the probe's to confirm (live only): the replay judges the timings alone
+            verdicts = [v for v in det.observe(i, rows) if not v.evidence.get("suspected")]
             if verdicts and found is None:
                 v = verdicts[0]
                 right = v.cause == cause and (cause == "link" or sorted(v.slow_ranks) == SLOW[cause])
@@ -305,9 +306,12 @@ def run(quick: bool) -> dict:
                  "one per rank of node b; verdict = cause, slow rank, step, action): "
                  + "; ".join(f"{lv['cause']} {lv['factor']:g}x (achieved {lv['achieved']}x): verdict {lv['verdict']} "
                              f"{lv['latency']} step(s) after the injection" for lv in lives)
-                 + ". Live, a `device` verdict on a rank with node mates is probed (each rank's compute timed) "
-                 "before it is written: the probe says whether the node's other ranks are slow too (the host); "
-                 "the replay runs the detector alone.")
+                 + ". Live, a `device` verdict is probed (each rank's compute timed) before it is written: "
+                 "named only if the probe finds the rank's compute ≥ 1.3x the others' (and says whether the node's "
+                 "other ranks are slow too: the host); "
+                 "so is a rank the timings only suspect (evidence past failslow.evidence, not past this "
+                 "host's noise level), named only if the probe finds its compute ≥ 1.5x the others'. "
+                 "The replay runs the detector alone and counts its verdicts, not its suspects.")
 
     # ---- overhead: what the training thread spends (boundary_task), and the whole step side by side
     blocks = len(per_rank[0]["on"])

@@ -171,6 +171,8 @@ def _round(results: list[dict], since: float, what: str) -> dict:
     worlds = {r["world"] for r in ok}
     ranks = sorted(r["rank"] for r in ok)
     return {"what": what, "seconds": round(max((r["t1"] for r in ok), default=since) - since, 3),
+            # of which the rendezvous (the rest: the round's node ids exchanged through its store)
+            "rendezvous_s": round(max((r["t_rdzv"] for r in ok), default=since) - since, 3),
             "joins_max": max((r.get("joins", 1) for r in ok), default=0),
             "joined": len(ok), "errors": len(errors), "first_error": errors[0]["error"] if errors else None,
             "rounds": sorted(rounds), "worlds": sorted(worlds),
@@ -195,7 +197,8 @@ def simulate(n: int, endpoint: str, metrics_url: str, etcd_pids: list[int], args
             "join_timeout": str(args.join_timeout), "keep_alive_interval": str(args.keep_alive),
             "poll_interval": str(args.poll), "store_timeout": "120", "handler": args.handler}
     cfg = {"endpoint": endpoint, "run_id": run_id, "min_nodes": n, "max_nodes": n,
-           "conf": conf, "shm": shm, "k": args.k, "secret": secrets.token_hex(32), "protocol": args.commit}
+           "conf": conf, "shm": shm, "k": args.k, "secret": secrets.token_hex(32), "protocol": args.commit,
+           "gather_timeout": args.gather_timeout}
     out: dict[str, Any] = {"nodes": n, "run_id": run_id, "procs": min(args.procs, n), "k": args.k,
                            "handler": args.handler,
                            "commit_protocol": args.commit,
@@ -236,7 +239,8 @@ def simulate(n: int, endpoint: str, metrics_url: str, etcd_pids: list[int], args
         # Not restored: the sanitizer would then drop every node whose heartbeat is older
         # than 3 intervals at once.
         fleet.all("settings", {"keep_alive_interval": 3600.0})
-        out["versions"] = _versions(fleet, client, meter, run_id, args, n)
+        # --versions 0: the rounds alone (what the rendezvous costs, without the commit's load)
+        out["versions"] = _versions(fleet, client, meter, run_id, args, n) if args.versions else None
 
         fleet.all("settings", {"min_nodes": out["min_nodes_reform"]})
         victims = [fleet.names[-1]]
@@ -288,7 +292,10 @@ def _versions(fleet: Fleet, client: EtcdClient, meter: Meter, run_id: str, args,
     own = 0
     _line(f"N={n}: version 0 (warm-up, not measured)")
     if one(0) is None:
-        raise RuntimeError(f"N={n}: the warm-up version was not committed within --commit-timeout")
+        errors = fleet.all("errors")
+        first = next((e["first"] for e in errors if e["first"]), [])
+        raise RuntimeError(f"N={n}: the warm-up version was not committed within --commit-timeout "
+                           f"({sum(e['count'] for e in errors)} upload errors; first: {first!r:.1500})")
     _settled_compaction(client)
     db0 = scrape(meter.url).get("db_in_use", 0.0)
     m, own = meter.mark(), 0
@@ -334,12 +341,14 @@ def plot(results: list[dict], path: Path) -> bool:
     for key, label in (("first_round", "first round"), ("reform_1", "re-form, 1 lost"),
                        ("reform_10pct", "re-form, 10% lost")):
         a.plot(ns, [max(r.get(key, {}).get("seconds", 0), 1e-3) for r in results], "o-", label=label)
-    a.plot(ns, [max(r["versions"]["commit_latency_s"]["median"] or 1e-3, 1e-3) for r in results], "s--",
-           label="commit latency")
+    if all(r["versions"] for r in results):
+        a.plot(ns, [max(r["versions"]["commit_latency_s"]["median"] or 1e-3, 1e-3) for r in results], "s--",
+               label="commit latency")
     a.set(xscale="log", yscale="log", xlabel="nodes", ylabel="seconds", title="time")
     for key, label in (("first_round", "writes per first round"), ("reform_1", "writes per re-form")):
         b.plot(ns, [max(r.get(key, {}).get("writes", 0), 1) for r in results], "o-", label=label)
-    b.plot(ns, [max(r["versions"]["writes_per_version"], 0.1) for r in results], "s--", label="writes per version")
+    if all(r["versions"] for r in results):
+        b.plot(ns, [max(r["versions"]["writes_per_version"], 0.1) for r in results], "s--", label="writes per version")
     b.plot(ns, [max(r["idle"]["keepalives_per_s"], 0.1) for r in results], "^:", label="keep-alives per s")
     b.set(xscale="log", yscale="log", xlabel="nodes", ylabel="etcd operations", title="etcd load")
     for ax in (a, b):
@@ -355,14 +364,14 @@ def results_row(results: list[dict], cmd: str) -> str:
     cells = []
     for r in results:
         v = r["versions"]
+        commit = f"{v['writes_per_version']} w/version, commit {v['commit_latency_s']['median']} s, " if v else ""
         cells.append(f"N={r['nodes']}: first {r['first_round']['seconds']} s/{r['first_round']['writes']:.0f} w, "
                      f"re-form 1 {r['reform_1']['seconds']} s, 10% {r.get('reform_10pct', {}).get('seconds')} s, "
-                     f"{v['writes_per_version']} w/version, commit {v['commit_latency_s']['median']} s, "
-                     f"{r['idle']['keepalives_per_s']} keep-alives/s")
+                     f"{commit}{r['idle']['keepalives_per_s']} keep-alives/s")
     return f"| control plane at scale (`{cmd}`) | " + "; ".join(cells) + " |"
 
 
-def bench_row(results: list[dict], cmd: str, wall: float) -> dict:
+def bench_row(results: list[dict], cmd: str, wall: float, raw: str, png: str) -> dict:
     """The run's row in bench/run.py's format (``bench/results/scale.json``), so that
     ``bench/run.py --render-only`` keeps it in RESULTS.md."""
     from common import fig, goal, row
@@ -377,32 +386,35 @@ def bench_row(results: list[dict], cmd: str, wall: float) -> dict:
         if "reform_10pct" in r:
             figures[f"reform10_{n}"] = fig([r["reform_10pct"]["seconds"]], "s",
                                            f"N={n}: re-form after {r['reform_10pct']['lost']} killed at once")
-        figures[f"wpv_{n}"] = fig([v["writes_per_version"]], "writes",
-                                  f"N={n}: etcd writes per committed version ({v['committed']}/{v['count']} committed)")
-        figures[f"bpv_{n}"] = fig([v["bytes_per_version"] / 1e3], "kB", f"N={n}: etcd bytes in+out per version")
-        if v["commit_latency_s"]["median"] is not None:
-            figures[f"commit_{n}"] = fig([v["commit_latency_s"]["median"]], "s", f"N={n}: commit latency (median)")
+        if v is not None:   # --versions 0: the rounds alone
+            figures[f"wpv_{n}"] = fig([v["writes_per_version"]], "writes",
+                                      f"N={n}: etcd writes per committed version ({v['committed']}/{v['count']} committed)")
+            figures[f"bpv_{n}"] = fig([v["bytes_per_version"] / 1e3], "kB", f"N={n}: etcd bytes in+out per version")
+            if v["commit_latency_s"]["median"] is not None:
+                figures[f"commit_{n}"] = fig([v["commit_latency_s"]["median"]], "s", f"N={n}: commit latency (median)")
         figures[f"ka_{n}"] = fig([r["idle"]["keepalives_per_s"]], "/s", f"N={n}: lease keep-alives per second, idle")
         figures[f"idle_req_{n}"] = fig([r["idle"]["requests_per_s"] / n], "/s",
                                        f"N={n}: etcd requests per node per second, idle (keep-alives, node-loss checks)")
         figures[f"idle_out_{n}"] = fig([r["idle"]["etcd_out_bytes_per_s"] / n / 1e3], "kB/s",
                                        f"N={n}: etcd bytes out per node per second, idle")
-        if v["db_growth_per_1000_versions_bytes"] >= 0:  # negative: older history freed meanwhile
+        if v is not None and v["db_growth_per_1000_versions_bytes"] >= 0:  # negative: older history freed meanwhile
             figures[f"db_{n}"] = fig([v["db_growth_per_1000_versions_bytes"] / 1e6], "MB",
                                      f"N={n}: etcd db growth per 1000 versions (compacted)")
     big, small = results[-1], results[0]
     # The commit's own writes (the leader's record, once per worker group, came with the warm-up version).
-    wpv = [round(r["versions"]["writes"] / max(1, r["versions"]["count"]), 2) for r in results]
+    versions = all(r["versions"] for r in results)
+    wpv = [round(r["versions"]["writes"] / max(1, r["versions"]["count"]), 2) for r in results] if versions else []
     ka = [r["idle"]["keepalives_per_s"] / r["nodes"] for r in results]
     idle = [r["idle"]["requests_per_s"] / r["nodes"] for r in results]
     out = [r["idle"]["etcd_out_bytes_per_s"] / r["nodes"] / 1e3 for r in results]
     goals = [
         goal(f"re-form after one lost node ≤ 5 s at N={big['nodes']}", big["reform_1"]["seconds"] <= 5,
              f"{big['reform_1']['seconds']} s (of it the last call, {big['conf']['last_call_timeout']} s)"),
-        goal("etcd writes per committed version ≤ 2 and not growing with N",
-             max(wpv) <= 2.0 and max(wpv) - min(wpv) <= 0.1,
-             f"{', '.join(f'{w}' for w in wpv)} at N={', '.join(str(r['nodes']) for r in results)} "
-             "(2 puts in one txn per version; the leader's record, once per worker group, not counted)"),
+        *([goal("etcd writes per committed version ≤ 2 and not growing with N",
+                max(wpv) <= 2.0 and max(wpv) - min(wpv) <= 0.1,
+                f"{', '.join(f'{w}' for w in wpv)} at N={', '.join(str(r['nodes']) for r in results)} "
+                "(2 puts in one txn per version; the leader's record, once per worker group, not counted)")]
+          if versions else []),
         goal("keep-alive load linear in N", max(ka) <= 2 * min(ka),
              f"{', '.join(f'{k:.2f}' for k in ka)} keep-alives per node per second"),
         goal("etcd load while training linear in N (requests and bytes per node per second within 2x across N)",
@@ -411,13 +423,18 @@ def bench_row(results: list[dict], cmd: str, wall: float) -> dict:
              "per node per second (keep-alives, node-loss checks of 3 ring neighbours; of all, what changed, "
              "every max(10, N/8))"),
     ]
-    return {**row("Control plane at scale: N simulated nodes against one etcd (bench/scale.py)", figures,
-                  {"wpv": {"value": round(wpv[-1] / wpv[0], 3) if wpv[0] else None, "better": "lower",
-                           "label": f"etcd writes per committed version at N={big['nodes']} / at N={small['nodes']}"}},
-                  goals, ["raw figures per phase (requests, bytes, CPU of the simulator and of etcd): "
-                          "bench/results/scale/scale.json"]),
+    ratio = ({"wpv": {"value": round(wpv[-1] / wpv[0], 3) if wpv[0] else None, "better": "lower",
+                      "label": f"etcd writes per committed version at N={big['nodes']} / at N={small['nodes']}"}}
+             if versions else
+             {"reform": {"value": round(big["reform_1"]["seconds"] / max(1e-3, small["reform_1"]["seconds"]), 2),
+                         "better": "lower", "label": f"re-form after one lost node at N={big['nodes']} / at "
+                                                     f"N={small['nodes']}"}})
+    title = "Control plane at scale: N simulated nodes against one etcd (bench/scale.py)" + (
+        "" if versions else ", the rounds alone (--versions 0)")
+    return {**row(title, figures, ratio, goals,
+                  [f"raw figures per phase (requests, bytes, CPU of the simulator and of etcd): {raw}"]),
             "command": cmd, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "host": os.uname().nodename, "wall_s": round(wall, 1), "png": ["scale/scale.png"]}
+            "host": os.uname().nodename, "wall_s": round(wall, 1), "png": [png]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -425,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", default="8,32,128", help="node counts, comma separated")
     p.add_argument("--rdzv-endpoint", default="", help="your etcd (HOST:PORT,...); default: start one")
     p.add_argument("--members", type=int, default=1, help="members of the etcd started here (1 or 3)")
-    p.add_argument("--versions", type=int, default=20, help="versions committed per N")
+    p.add_argument("--versions", type=int, default=20, help="versions committed per N (0: the rounds alone)")
     p.add_argument("--procs", type=int, default=4, help="simulator processes")
     p.add_argument("--domains", type=int, default=8, help="failure domains the nodes are spread over")
     p.add_argument("--k", type=int, default=1, help="peer replicas per version")
@@ -444,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll", type=float, default=0.1, help="poll_interval, seconds")
     p.add_argument("--idle", type=float, default=5.0, help="seconds of idle keep-alive measurement")
     p.add_argument("--commit-timeout", type=float, default=30.0)
+    p.add_argument("--gather-timeout", type=float, default=10.0,
+                   help="the leader's wait for every node's holds of a version, seconds (the agents' "
+                        "default: 10; hundreds of simulated nodes on a few cores may need longer)")
     p.add_argument("--out", default="bench/results/scale")
     p.add_argument("--row", default="bench/results/scale.json",
                    help="where the bench/run.py row goes ('' for none)")
@@ -453,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("join_timeout", "keep_alive", "lease_ttl", "poll", "idle", "commit_timeout", "settle"):
+    for name in ("join_timeout", "keep_alive", "lease_ttl", "poll", "idle", "commit_timeout", "gather_timeout", "settle"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     ns = [int(x) for x in args.nodes.split(",") if x.strip()]
@@ -480,18 +500,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"N={n}: first round {fr['seconds']} s ({fr['joined']} joined, rounds {fr['rounds']}, "
                   f"{fr['writes']:.0f} writes, {fr['requests']:.0f} requests; sim busy {fr['sim_busy']}, "
                   f"etcd cpu {fr['etcd_cpu_s']} s) | re-form 1 lost {r['reform_1']['seconds']} s "
-                  f"({r['reform_1']['writes']:.0f} writes), {r.get('reform_10pct', {}).get('lost', 0)} lost "
-                  f"{r.get('reform_10pct', {}).get('seconds')} s | {v['committed']}/{v['count']} versions committed, "
-                  f"{v['writes_per_version']} writes and {v['requests_per_version']} requests per version, "
-                  f"commit {v['commit_latency_s']['median']} s | idle {r['idle']['keepalives_per_s']} "
-                  f"keep-alives/s, {r['idle']['requests_per_s']} requests/s | db +"
-                  f"{v['db_growth_per_1000_versions_bytes'] / 1e6:.2f} MB per 1000 versions", flush=True)
+                  f"(rendezvous {r['reform_1']['rendezvous_s']} s, {r['reform_1']['writes']:.0f} writes, etcd cpu "
+                  f"{r['reform_1']['etcd_cpu_s']} s), {r.get('reform_10pct', {}).get('lost', 0)} lost "
+                  f"{r.get('reform_10pct', {}).get('seconds')} s | "
+                  + (f"{v['committed']}/{v['count']} versions committed, "
+                     f"{v['writes_per_version']} writes and {v['requests_per_version']} requests per version, "
+                     f"commit {v['commit_latency_s']['median']} s | db +"
+                     f"{v['db_growth_per_1000_versions_bytes'] / 1e6:.2f} MB per 1000 versions | " if v else "")
+                  + f"idle {r['idle']['keepalives_per_s']} keep-alives/s, {r['idle']['requests_per_s']} requests/s",
+                  flush=True)
             (out / "scale.json").write_text(json.dumps(results, indent=1))
         cmd = ("python bench/scale.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
         if plot(results, out / "scale.png"):
             print(f"plot: {out / 'scale.png'}")
         if args.row:
-            Path(args.row).write_text(json.dumps(bench_row(results, cmd, time.monotonic() - started), indent=1))
+            row = bench_row(results, cmd, time.monotonic() - started, str(out / "scale.json"),
+                            str((out / "scale.png").relative_to(Path(args.row).parent)) if
+                            (out / "scale.png").is_relative_to(Path(args.row).parent) else str(out / "scale.png"))
+            Path(args.row).write_text(json.dumps(row, indent=1))
         print(results_row(results, cmd))
     finally:
         if cluster is not None:

@@ -105,7 +105,8 @@ class SimNode:
         self.registry.claim(store=self.server.address, rdzv=self.handler.node_desc)
         self.replicator = Replicator(self.store, self.client, cfg["run_id"], name, secret,
                                      RegistryReader(self.client, cfg["run_id"], secret),
-                                     ReplicatorOptions(k=cfg["k"], duty=0.0, protocol=cfg["protocol"]),
+                                     ReplicatorOptions(k=cfg["k"], duty=0.0, protocol=cfg["protocol"],
+                                                       gather_timeout=timedelta(seconds=cfg["gather_timeout"])),
                                      self.errors)
         self.replicator.serve(self.server)
 
@@ -135,11 +136,19 @@ class SimNode:
         self.round = self.handler._joined[0] if self.keyed else self.handler._state_holder.state.round
         self.replicator.set_workers({self.rank}, self.world)
 
+    def rendezvous(self) -> float:
+        """Join the next round; the time the rendezvous itself returned (what follows, the
+        round's node-id exchange through its store, is the rest of the re-form)."""
+        info = self.handler.next_rendezvous()
+        t = time.time()
+        self.joined(info)
+        return t
+
     def join(self) -> dict:
         t0 = time.time()
-        self.joined(self.handler.next_rendezvous())
-        return {"node": self.name, "t0": t0, "t1": time.time(), "rank": self.rank, "world": self.world,
-                "round": self.round}
+        t_rdzv = self.rendezvous()
+        return {"node": self.name, "t0": t0, "t_rdzv": t_rdzv, "t1": time.time(), "rank": self.rank,
+                "world": self.world, "round": self.round}
 
     def reform(self, settle: float, limit: float = 300.0) -> dict:
         """What a surviving agent does when a member is lost: evict the proven dead, join anew;
@@ -148,16 +157,16 @@ class SimNode:
         rounds churning, ``limit`` seconds have passed: the parent reports the joins)."""
         t0 = time.time()
         self.handler.evict(self.registry.proven_dead)
-        self.joined(self.handler.next_rendezvous())
+        t_rdzv = self.rendezvous()
         t1, joins = time.time(), 1
         quiet, give_up = time.monotonic() + settle, time.monotonic() + limit
         while time.monotonic() < min(quiet, give_up):
             if self.handler.num_nodes_waiting() > 0:
-                self.joined(self.handler.next_rendezvous())
+                t_rdzv = self.rendezvous()
                 t1, joins = time.time(), joins + 1
                 quiet = time.monotonic() + settle
             time.sleep(0.1)
-        return {"node": self.name, "t0": t0, "t1": t1, "rank": self.rank, "world": self.world,
+        return {"node": self.name, "t0": t0, "t_rdzv": t_rdzv, "t1": t1, "rank": self.rank, "world": self.world,
                 "round": self.round, "joins": joins}
 
     def version(self, step: int) -> dict:

@@ -272,6 +272,13 @@ class FaultDriver:
         late = now - self._mark > self.pace.timeout.total_seconds()
         if not (ready or late):
             return
+        # The previous fault's recovery is measured at the scenario's pace; the next one
+        # may want more steps behind it (a fail-slow fault: the detector's warm-up).
+        if ready and not late and nxt is not None and len(steps) < nxt.pace_steps:
+            if self._last is not None:
+                self._last["ready_seconds"] = round(now - self._last["injected_at"], 2)
+                self._last = None
+            return
         if self._last is not None:
             if ready:
                 self._last["ready_seconds"] = round(now - self._last["injected_at"], 2)
@@ -363,7 +370,7 @@ def evaluate(sc: Scenario, run_dir: str | Path, records: list[InjectionRecord], 
     if pr.final_state != "skip":
         out.append(final_state_equal(reference, actual, diff=diff if pr.final_state == "tolerance" else None, tolerance=pr.tolerance))
     if pr.straggler_within_steps:
-        out.append(stragglers_found(tl, pr.straggler_within_steps, LocalJob.node_id))
+        out.append(stragglers_found(tl, pr.straggler_within_steps, LocalJob.node_id, sc.topology.workers_per_node))
     if pr.no_leaks:
         out.append(no_leaks(run_dir, **(leaks or {})))
     out.extend(more)

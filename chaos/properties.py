@@ -23,7 +23,11 @@ something did. Definitions (the events are those of resilient.events):
 * **stragglers found** — for each slow-rank, slow-host or slow-link fault, a
   ``straggler`` event after its injection names it with the right cause (the
   rank, as a device; the node, as a host; the link, at its node or one of its
-  two ends) within a bound in steps.
+  two ends) within a bound in steps. A slow host whose node runs one worker is
+  named as that node's device: with one rank there, nothing tells the two apart.
+  Not judged, and listed: a fault on the idle spare, and one whose slow steps
+  outlasted the heartbeat timeout, so that the job re-formed without the node
+  before the bound (a ``failure`` event first).
 * **no leaks** — after the run, no process mentions the run directory, no
   ``/dev/shm`` entry carries the job's prefix, no listed port is listening,
   no listed mount is mounted, no network lab is left.
@@ -217,40 +221,76 @@ def training_completed(timeline: list[dict], steps: int) -> PropertyResult:
 SLOW_CAUSES = {"slow-rank": "device", "slow-host": "host", "slow-link": "link"}
 
 
-def stragglers_found(timeline: list[dict], within_steps: int, node_id: Callable[[int], str]) -> PropertyResult:
-    """See the module doc. ``node_id(i)``: the node id of topology node ``i``."""
-    bad, ok = [], []
+def _slow_nodes(timeline: list[dict], f: dict, node_id: Callable[[int], str]) -> list[str] | None:
+    """The node ids a slow-host or slow-link fault hit, or None when it hit no rank of the job.
+    A slow host's pids are its workers (``workers_started``: after a spare took a seat, seat
+    ``node:N`` is another agent than ``nN``); a link is the namespace of agent ``nN`` (or both
+    ends of ``link:A-B``), which may be the idle spare, outside the newest round."""
+    t0, index = f["time"], str(f.get("target", "")).partition(":")[2]
+    before = [e for e in timeline if e["time"] < t0]
+    if f["fault"] == "slow-host":
+        pids = set(f.get("pids") or [])
+        starts = [e for e in before if e.get("event") == "workers_started" and pids & set(e.get("pids") or [])]
+        return [starts[-1]["node"]] if starts else None
+    rounds = [e for e in before if e.get("event") == "rendezvous" and e.get("nodes")]
+    ends = [node_id(int(i)) for i in index.split("-") if i.isdigit()]
+    live = set(rounds[-1]["nodes"]) if rounds else set(ends)
+    return [n for n in ends if n in live] or None
+
+
+def stragglers_found(timeline: list[dict], within_steps: int, node_id: Callable[[int], str],
+                     workers_per_node: int = 2) -> PropertyResult:
+    """See the module doc. ``node_id(i)``: the node id of agent ``i``."""
+    bad, ok, idle = [], [], []
     injected = [f for f in faults(timeline) if f.get("fault") in SLOW_CAUSES and f.get("event") == "fault_injected"
                 and f.get("status") not in NOT_INJECTED]
     for f in injected:
         kind, target, t0 = f["fault"], str(f.get("target", "")), f["time"]
-        scope, _, index = target.partition(":")
+        index = target.partition(":")[2]
+        nodes = _slow_nodes(timeline, f, node_id) if kind != "slow-rank" else []
+        if nodes is None:   # the soak's idle spare: nothing of the job was slowed
+            idle.append(f"{f.get('fault_id')} ({kind} {target}): a spare")
+            continue
         verdicts = [e for e in timeline if e.get("event") == "straggler" and e["time"] >= t0]
         steps = sorted({e["step"] for e in timeline if e.get("event") == "step" and e["time"] >= t0})
         want = SLOW_CAUSES[kind]
+        # One worker per node (the soak's layout): the detector's host verdict needs two
+        # ranks of the node slow together; a single slow rank is all the evidence shows.
+        causes = {want, "device"} if kind == "slow-host" and workers_per_node == 1 else {want}
 
         def names_it(v: dict) -> bool:
-            if v.get("cause") != want:
+            if v.get("cause") not in causes:
                 return False
             if kind == "slow-rank":
                 return index.isdigit() and v.get("slow_rank") == int(index)
-            if kind == "slow-host":
-                return index.isdigit() and v.get("slow_node") == node_id(int(index))
-            ends = [int(i) for i in index.split("-") if i.isdigit()]   # node:N or link:A-B
-            return v.get("slow_node") in [node_id(i) for i in ends]
+            return v.get("slow_node") in nodes
         hit = next((v for v in verdicts if names_it(v)), None)
+        # A slowdown that made a step outlast the heartbeat timeout ends in a re-form (the node
+        # replaced, as a hung one): cut short before the bound, it has no straggler left to name.
+        reform = next((e["time"] for e in timeline if e.get("event") == "failure" and e["time"] >= t0), None)
+        cut = len([e for e in timeline if e.get("event") == "step" and e.get("rank") == 0 and t0 <= e["time"] < reform]) \
+            if reform is not None and (hit is None or hit["time"] > reform) else None
+        if cut is not None and cut < within_steps:
+            idle.append(f"{f.get('fault_id')} ({kind} {target}): re-formed after {cut} step(s)")
+            continue
         if hit is None:
             other = [f"{v.get('cause')} rank {v.get('slow_rank')} node {v.get('slow_node')}" for v in verdicts[:3]]
-            bad.append(f"{f.get('fault_id')} ({kind} {target}): no straggler event named it as {want}" +
-                       (f" (got: {'; '.join(other)})" if other else ""))
+            # Suspicions the probe did not confirm say why nothing was named (the probe's
+            # compute seconds per rank against the factor it needed).
+            probes = [f"step {p.get('step')} rank {p.get('slow_rank')} probe {p.get('probe_compute_seconds')}"
+                      for p in timeline if p.get("event") == "failslow_probe" and p["time"] >= t0][:3]
+            bad.append(f"{f.get('fault_id')} ({kind} {target}): no straggler event named it as {want} "
+                       f"in {len(steps)} step(s)" + (f" (got: {'; '.join(other)})" if other else "")
+                       + (f" (probes not confirmed: {'; '.join(probes)})" if probes else ""))
             continue
         late = len([s for s in steps if s <= hit["step"]])
         (bad if late > within_steps else ok).append(
             f"{f.get('fault_id')} ({kind} {target}): {want} after {late} step(s)"
             + (f" > bound {within_steps}" if late > within_steps else ""))
+    tail = [f"not judged (no rank of the job slowed: a spare; or the job re-formed first): {', '.join(idle)}"] if idle else []
     if bad:
-        return PropertyResult("stragglers_found", False, "; ".join(bad))
-    return PropertyResult("stragglers_found", True, "; ".join(ok) or "no slow fault injected")
+        return PropertyResult("stragglers_found", False, "; ".join(bad + tail))
+    return PropertyResult("stragglers_found", True, "; ".join(ok + tail) or "no slow fault injected")
 
 
 def no_leaks(run_dir: str | os.PathLike, *, shm_prefix: str | None = None, shm_paths: Iterable[str] = (), ports: Iterable[int] = (), mounts: Iterable[str | os.PathLike] = (),

@@ -244,6 +244,7 @@ class FaultSpec:
     paced: bool = knob(False, "inject `count` of these one at a time, each as soon as the job recovered from the previous fault (every seat filled, `pace_steps` steps made): faults as fast as the run recovers")
     params: dict = _many(dict, "parameters of this kind (see the kind's table)")
     recovery_bound_seconds: float = knob(0.0, "bound from fault to the first step after restore; 0 = the scenario's default")
+    pace_steps: int = knob(0, "paced: steps the job must make with every seat filled before this fault fires; 0 = the scenario's pace_steps. A fail-slow fault needs the detector's warm-up (failslow.warmup steps of the worker group) behind it, or its slowness becomes the baseline")
     # Filled in by validation, never read from TOML.
     parsed_target: Target | None = field(default=None, metadata={"internal": True})
     parsed_params: Any = field(default=None, metadata={"internal": True})
@@ -330,6 +331,7 @@ class PlannedFault:
     at_step: int | None
     at: timedelta | None
     recovery_bound: timedelta
+    pace_steps: int = 0   # paced: steps at full strength before it fires (0: the scenario's)
 
     @property
     def paced(self) -> bool:
@@ -393,7 +395,7 @@ def _plan_paced(sc: Scenario, rng: random.Random) -> list[PlannedFault]:
         n = made[i]
         made[i] += 1
         t = target or _resolve_target(f.parsed_target, rng, sc.topology, f.kind)
-        return PlannedFault(f"f{i}.{n}", f.kind, t, f.parsed_params, None, None, sc.recovery_bound(f))
+        return PlannedFault(f"f{i}.{n}", f.kind, t, f.parsed_params, None, None, sc.recovery_bound(f), f.pace_steps)
 
     for _ in range(max([f.count for _, f in specs + ups], default=0)):
         due = [(i, f) for i, f in specs if made[i] < f.count]
@@ -420,6 +422,8 @@ def _validate_fault(f: FaultSpec, i: int, sc: Scenario) -> None:
         raise ConfigError(f"{src}: {where} needs exactly one of at_step, at_seconds, rate_per_minute, paced (got {sum(whens)})")
     if f.count < 1:
         raise ConfigError(f"{src}: {where}.count must be ≥ 1")
+    if f.pace_steps < 0 or (f.pace_steps and not f.paced):
+        raise ConfigError(f"{src}: {where}.pace_steps = {f.pace_steps}: a paced fault's own pace, in steps ≥ 0")
     f.parsed_target = parse_target(f.target, f.kind, f"{src} {where}")
     n_ranks = sc.topology.nodes * sc.topology.workers_per_node
     t = f.parsed_target

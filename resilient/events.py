@@ -34,7 +34,7 @@ EVENTS = frozenset({
     # silent data corruption
     "sdc_suspect", "sdc_replay", "sdc_verdict", "sdc_probe", "sdc_coverage", "quarantine", "rollback",
     # fail-slow
-    "straggler", "failslow_replace", "failslow_mark", "failslow_rejoin",
+    "straggler", "failslow_probe", "failslow_replace", "failslow_mark", "failslow_rejoin",
     # chaos
     "fault_injected", "fault_cleared",
 })

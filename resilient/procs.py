@@ -22,11 +22,30 @@ import psutil
 OWNER = "owner.json"
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``), or None
+    off Linux. Exact and free of the wall clock, unlike ``psutil``'s ``create_time``: that is
+    the boot time plus these ticks, and the boot time (``btime``, whole seconds, the wall clock
+    minus the uptime) moves by a second whenever the wall clock drifts or is stepped past a
+    second's edge. A process that started after such a move saw every live owner 1 s off,
+    judged them dead, and reclaimed their trees (the soak: three live agents' private
+    directories and node stores removed by a replacement agent)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:   # field 22; the command name (field 2, in parentheses) may hold spaces
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
 def owner_record(**extra) -> str:
     """This process as an owner file's content: its pid and when it started (a pid alone
     can be reused by another process)."""
     me = psutil.Process()
-    return json.dumps({"pid": me.pid, "pid_started": me.create_time(), **extra})
+    return json.dumps({"pid": me.pid, "pid_started": me.create_time(), "pid_ticks": start_ticks(me.pid), **extra})
 
 
 def owner_alive(directory: str | os.PathLike) -> bool:
@@ -35,7 +54,10 @@ def owner_alive(directory: str | os.PathLike) -> bool:
     try:
         with open(os.path.join(directory, OWNER)) as f:
             info = json.load(f)
-        proc = psutil.Process(int(info["pid"]))
+        pid = int(info["pid"])
+        if isinstance(info.get("pid_ticks"), int):
+            return start_ticks(pid) == info["pid_ticks"]
+        proc = psutil.Process(pid)
         return abs(proc.create_time() - float(info["pid_started"])) < 1.0
     except (OSError, ValueError, KeyError, TypeError, psutil.Error):
         return False

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from resilient.errors import ConfigError
 from resilient_chaos.campaign import FaultDriver, evaluate, make_injector
 from resilient_chaos.report import report
 from resilient_chaos.scenario import scenario_from_dict
@@ -207,24 +208,45 @@ class HealingJob(FakeJob):
         return out
 
 
-def test_paced_faults_fire_one_at_a_time_once_the_job_recovered(tmp_path):
+def drive_paced(tmp_path, fault: dict, steps: int):
+    """Kill-worker faults ``fault`` paced at ``steps`` on a HealingJob: (driver, records, job,
+    every step event of both nodes)."""
     from resilient_chaos.campaign import Pace
     job = HealingJob(tmp_path / "run")
-    sc = scenario_from_dict({**SCENARIO, "faults": [{"kind": "kill-worker", "target": "rank:random", "paced": True, "count": 3}]})
-    plan = sc.plan()
-    assert [f.fault_id for f in plan] == ["f0.0", "f0.1", "f0.2"] and all(f.paced for f in plan)
-    driver = FaultDriver(plan, job, poll=timedelta(milliseconds=50), pace=Pace(seats=2, steps=5, timeout=timedelta(seconds=30))).start()
+    plan = scenario_from_dict({**SCENARIO, "faults": [{"kind": "kill-worker", "target": "rank:random", "paced": True, **fault}]}).plan()
+    assert all(f.paced for f in plan)
+    driver = FaultDriver(plan, job, poll=timedelta(milliseconds=50), pace=Pace(seats=2, steps=steps, timeout=timedelta(seconds=30))).start()
     try:
-        wait_for(lambda: len(driver.records) == 3 and driver._last is None, timeout=timedelta(seconds=60))
+        wait_for(lambda: len(driver.records) == len(plan) and driver._last is None, timeout=timedelta(seconds=60))
     finally:
         records = driver.stop()
         job.close()
+    events = [json.loads(l) for i in range(2) for l in (job.run_dir / f"node{i}" / "events.jsonl").read_text().splitlines()]
+    return driver, records, job, [e for e in events if e["event"] == "step"]
+
+
+def test_paced_faults_fire_one_at_a_time_once_the_job_recovered(tmp_path):
+    driver, records, job, steps = drive_paced(tmp_path, {"count": 3}, 5)
+    assert [r.fault_id for r in records] == ["f0.0", "f0.1", "f0.2"]
     assert [r.status for r in records] == ["cleared"] * 3
     # Each kill waited for the replacement of the previous victim, then for 5 new steps.
-    steps = [json.loads(l) for i in range(2) for l in (job.run_dir / f"node{i}" / "events.jsonl").read_text().splitlines()]
     for prev, nxt in zip(records, records[1:]):
         healed_at = min(t for t, _ in job.healed if t >= prev.injected_at)
         assert healed_at < nxt.injected_at
-        assert len({e["step"] for e in steps if e["event"] == "step" and healed_at < e["time"] < nxt.injected_at}) >= 5
+        assert len({e["step"] for e in steps if healed_at < e["time"] < nxt.injected_at}) >= 5
     assert [p["fault_id"] for p in driver.pacing] == ["f0.0", "f0.1", "f0.2"]
     assert all(p["ready_seconds"] > 0 and p["replaced"] for p in driver.pacing)
+
+
+def test_a_paced_fault_with_its_own_pace_waits_for_its_steps_and_the_previous_recovery_is_timed_apart(tmp_path):
+    """A fault's own ``pace_steps`` (a fail-slow fault wants the detector's warm-up behind it)
+    holds it back for that many steps at full strength; the previous fault's recovery is
+    still timed at the scenario's pace."""
+    driver, records, job, steps = drive_paced(tmp_path, {"count": 2, "pace_steps": 12}, 2)
+    assert len(records) == 2
+    healed_at = min(t for t, _ in job.healed if t >= records[0].injected_at)
+    assert len({e["step"] for e in steps if healed_at < e["time"] < records[1].injected_at}) >= 12
+    ready = records[0].injected_at + driver.pacing[0]["ready_seconds"]
+    assert ready < records[1].injected_at - 0.2   # timed at 2 steps, fired after 12
+    with pytest.raises(ConfigError, match="pace_steps"):
+        scenario_from_dict({**SCENARIO, "faults": [{"kind": "kill-worker", "target": "rank:1", "at_step": 3, "pace_steps": 4}]})

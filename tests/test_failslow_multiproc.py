@@ -6,6 +6,7 @@ within the issue's bound; a clean run must raise nothing."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -75,15 +76,17 @@ def test_the_probe_finds_a_process_that_is_slow_inside_the_collectives_too(pool)
     from resilient.failslow.probe import judge
 
     nodes = ["a", "a", "b"]
-    clean = judge(*pool.run(probe)[0], nodes)
+    compute, edges = pool.run(probe)[0]
+    clean = judge(compute, edges, nodes)
     assert clean["cause"] == "link" and clean["slow_rank"] is None, clean   # nothing slow: an unlocated link
     with SlowProcess(pool.procs[2].pid, factor=3.0, period=timedelta(milliseconds=10)) as slow:
-        verdict = judge(*pool.run(probe)[0], nodes)
+        compute, edges = pool.run(probe)[0]
+        verdict = judge(compute, edges, nodes)
     assert slow.achieved_factor > 1.5
     assert (verdict["cause"], verdict["slow_rank"], verdict["slow_node"]) == ("device", 2, "b"), verdict
 
 
-def carry(rank, world, steps, start, held_at):
+def carry(rank, world, steps, start, held_at, trace=None):
     """Each rank submits its own row of the same synthetic matrices (rank 1 2x slow from
     ``start``) to a real courier; rank 0 returns what its thread judged, taken at boundaries
     (every 5 steps; at ``held_at`` a hold and a retry come first)."""
@@ -98,7 +101,7 @@ def carry(rank, world, steps, start, held_at):
     rng = random.Random(7)   # the same draws on every rank
     nodes = ["a", "b", "c"]
     courier = Courier(dist.new_group(backend="gloo"), rank, world, 6,
-                      Detector(FailSlowConfig(), nodes) if rank == 0 else None)
+                      Detector(FailSlowConfig(), nodes) if rank == 0 else None, trace=trace)
     courier.history = [] if rank == 0 else None
     found = []
     try:
@@ -123,10 +126,11 @@ def carry(rank, world, steps, start, held_at):
         courier.close()
 
 
-def test_the_courier_carries_every_ranks_timings_to_rank_0s_detector(pool):
+def test_the_courier_carries_every_ranks_timings_to_rank_0s_detector(pool, tmp_path):
     from resilient.failslow.api import Straggler
 
-    out = pool.run(carry, 40, 20, 25)
+    trace = tmp_path / "failslow-trace.jsonl"
+    out = pool.run(carry, 40, 20, 25, str(trace))
     assert [o["error"] for o in out] == ["None"] * 3 and out[0]["history"] == 40
     assert [o["found"] for o in out[1:]] == [[], []]   # only rank 0 judges
     # the first verdict (steps 21-25) was held before it was taken: only the retry's is acted on
@@ -134,6 +138,17 @@ def test_the_courier_carries_every_ranks_timings_to_rank_0s_detector(pool):
     (v,) = [Straggler(**fields) for fields in found["verdicts"]]   # what every rank rebuilds
     assert (v.cause, v.slow_rank, v.slow_node) == ("device", 1, "b") and 25 + 3 < v.step <= 40, v
     assert found["raised"] == [1] and len(found["rows"]) == 3
+    # rank 0's trace (failslow.trace): the detector's state at every observation, the
+    # verdicts where they came; rank 1's evidence rose past its level from the slowdown on
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [t["step"] for t in lines] == list(range(1, 41))
+    assert all(len(t["ranks"]) == 3 and len(t["own"]) == 3 for t in lines)
+    assert [t["learning"] for t in lines[:9]] == [True] * 8 + [False]
+    named = [t for t in lines if t["verdicts"]]
+    assert named and all(t["step"] > 20 for t in named) and named[-1]["verdicts"] == ["device"]
+    score, level, excess, raised = named[-1]["ranks"][1]
+    assert score >= level and raised and excess > 0.5
+    assert all(t["ranks"][1][0] == 0.0 for t in lines[:20])   # no evidence before the slowdown
 
 
 # ------------------------------------------------------------ the replace policy, end to end

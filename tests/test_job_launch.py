@@ -49,6 +49,22 @@ def kept_ids(run: Path) -> dict[tuple[int, int], list[int]]:
     return out
 
 
+def newest(run: Path, tier: str) -> int:
+    return max((e["step"] for e in events(run, "commit") if e.get("tier") == tier), default=-1)
+
+
+def memory_ahead(run: Path, steps: int) -> bool:
+    """At least ``steps`` trained and the newest memory commit (local and peer) a step or
+    two past a durable one (durable_every = 4): the next durable version is two or three
+    steps away (0.3 s or more at this pace), so a fault now restores from RAM. A restore
+    takes the newest committed step, and both tiers commit within ~0.05 s of a step
+    (measured), so a kill at any moment could find a durable version newer than the RAM
+    ones and rightly restore from it. Two residues, not one: a loaded leader that skips
+    versions may commit only every other step."""
+    local, peer = newest(run, "local"), newest(run, "peer")
+    return steps_done(run) >= steps and peer % 4 in (1, 2) and local >= peer > newest(run, "durable")
+
+
 def restores(run: Path) -> set[tuple[str, str]]:
     return {(e["node"], e["tier"]) for e in events(run, "restore") if e["step"] > 0}
 
@@ -89,10 +105,10 @@ def test_worker_node_and_job_kills_restore_from_ram_peer_and_durable_bitwise(ref
     with embedded_etcd() as etcd:
         try:
             a, b = node("a", "r1"), node("b", "r2")
-            wait_for(lambda: steps_done(run) >= 6, 300, "the first steps")
+            wait_for(lambda: memory_ahead(run, 6), 300, "the first steps")
             os.kill(worker_pids(run, "a")[0], signal.SIGKILL)           # a worker: node RAM
             wait_for(lambda: ("a", "local") in restores(run), 120, "a restore from node RAM")
-            wait_for(lambda: steps_done(run) >= 14, 300, "steps after the worker's restart")
+            wait_for(lambda: memory_ahead(run, 14), 300, "steps after the worker's restart")
             b.kill_node()                                                # a node: peer RAM
             c = node("c", "r3")
             wait_for(lambda: ("c", "peer") in restores(run), 120, "a restore from the peer's RAM")

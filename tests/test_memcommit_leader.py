@@ -39,7 +39,8 @@ class Fleet:
     """``names`` nodes, each a store, a peer server and a replicator serving its holds;
     ``rates``: a node's push rate cap (bytes/s), which makes its replicator that much slower."""
 
-    def __init__(self, client, tmp_path: Path, names: list[str], rates: dict[str, float] | None = None):
+    def __init__(self, client, tmp_path: Path, names: list[str], rates: dict[str, float] | None = None,
+                 gather: timedelta = GATHER):
         self.client, self.run_id = client, unique_run_id()
         self.stores, self.servers, self.reps, self.logs = {}, {}, {}, {}
         self.registry: dict[str, dict] = {}
@@ -51,7 +52,7 @@ class Fleet:
         for n in names:
             self.logs[n] = EventLog(tmp_path / f"events-{n}.jsonl", node=n)
             self.reps[n] = Replicator(self.stores[n], client, self.run_id, n, SECRET, lambda: dict(self.registry),
-                                      ReplicatorOptions(k=1, gather_timeout=GATHER, protocol="leader",
+                                      ReplicatorOptions(k=1, gather_timeout=gather, protocol="leader",
                                                         rate=(rates or {}).get(n, 0.0)), self.logs[n])
             self.reps[n].serve(self.servers[n])
 
@@ -164,6 +165,29 @@ def test_leader_lost_mid_commit_then_the_next_group_commits(fleet):
     assert f.commit(3) and not f.commit(2)
 
 
+def test_a_new_worker_group_ends_the_leaders_wait_for_the_old_groups_holds(fleet):
+    """A node's worker dies before writing step 2: the leader waits for holds that never
+    come. The agents start a new worker group; the leader must drop the old group's version
+    at once and commit the new group's first one, not wait out its gather timeout (60 s
+    here, more than the flush below allows) while the new group trains uncommitted."""
+    f = fleet(["a", "b", "c"], gather=timedelta(seconds=60))
+    ranks = {"a": {0}, "b": {1}, "c": {2}}
+    f.workers(ranks, 3)
+    f.version(1, "t0-000001", ranks, 3)
+    assert f.commit(1)
+    f.land(2, "t0-000001", {"a": {0}, "b": {1}}, 3)   # c's rank 2 never lands
+    deadline = time.monotonic() + 30
+    while not any(k[0] == 2 for k in f.reps["a"]._reports) and time.monotonic() < deadline:
+        time.sleep(0.05)   # a is gathering step 2
+    assert any(k[0] == 2 for k in f.reps["a"]._reports)
+    # The new group starts at once, within the replicator's 0.5 s slack of times
+    # (Replicator.since): step 2 is ruled out by its attempt group, not taken up again.
+    f.workers(ranks, 3)                                 # the new worker group
+    f.version(3, "t1-000002", ranks, 3)
+    assert f.commit(3) and not f.commit(2)
+    assert not f.errors("a")   # dropped with its group, not timed out
+
+
 def test_two_leaders_racing_for_one_attempt_one_leads_one_commit(fleet, client):
     """Two nodes both hold rank 0 (an old group's and a new one's): their claims race, one
     leads, the other reports to it; each version is committed exactly once."""
@@ -237,7 +261,7 @@ def test_the_agents_take_the_commit_protocol_from_the_snapshot_config():
     from resilient.launch import store_settings
     from resilient.snapshot.config import SnapshotConfig
 
-    assert store_settings(SnapshotConfig()).commit == "etcd"
-    assert store_settings(SnapshotConfig(commit="leader")).commit == "leader"
+    assert store_settings(SnapshotConfig()).commit == "leader"
+    assert store_settings(SnapshotConfig(commit="etcd")).commit == "etcd"
     with pytest.raises(ConfigError, match="'snapshot.commit' = 'ledaer': use 'etcd' or 'leader'"):
         SnapshotConfig(commit="ledaer")

@@ -79,3 +79,43 @@ def test_agent_dirs_of_dead_owners_are_reclaimed(tmp_path):
     assert removed == ["resilient-agent-a-dead", "resilient-agent-c-old"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resilient-agent-b-live", "resilient-agent-d-new",
                                                           "someone-else"]
+
+
+def test_a_live_owner_stays_alive_when_the_wall_clock_moved_since_it_started(tmp_path):
+    """psutil's create_time is the boot time (the wall clock minus the uptime, whole seconds)
+    plus the start ticks: after the wall clock drifted or was stepped past a second's edge, a
+    live owner's recorded start was 1 s off, and a replacement agent reclaimed live agents'
+    trees (the soak). The start ticks since boot decide; a pid reused by another process
+    (other ticks) is still dead."""
+    import json
+
+    from resilient.procs import OWNER, owner_alive, owner_record, reclaim_dirs
+
+    me = json.loads(owner_record())
+    live, reused = tmp_path / "resilient-agent-live", tmp_path / "resilient-agent-reused"
+    live.mkdir()
+    reused.mkdir()
+    (live / OWNER).write_text(json.dumps({**me, "pid_started": me["pid_started"] - 1.0}))
+    (reused / OWNER).write_text(json.dumps({**me, "pid_ticks": me["pid_ticks"] - 1}))
+    assert owner_alive(live) and not owner_alive(reused)
+    assert [p.rsplit("/", 1)[-1] for p in reclaim_dirs(tmp_path, "resilient-agent-")] == ["resilient-agent-reused"]
+
+
+def test_a_job_root_removed_by_another_agents_reclaim_while_creating_is_made_again(tmp_path, monkeypatch):
+    """Two agents of one job starting at once on one machine: the other one's reclaim
+    removes the job's root while it is still empty, between our mkdir of the root and of
+    our hidden tree (CI's 32-node simulator hit this window)."""
+    import os
+
+    root, real_mkdir, removed = str(job_dir(tmp_path, "job")), os.mkdir, []
+
+    def mkdir_then_lose_the_root(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)
+        if os.fspath(path) == root and not removed:
+            removed.append(os.rmdir(root))  # the other agent's `root.rmdir()`
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_lose_the_root)
+    s = NodeStore(tmp_path, "job", "n0")
+    s.create()
+    assert removed and (job_dir(tmp_path, "job") / "n0").is_dir()
+    s.remove()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from importlib.metadata import entry_points
@@ -104,6 +105,41 @@ def test_store_ops(client):
     threading.Timer(0.2, lambda: store.set("late", "v")).start()
     store.wait(["late"])
     pre.wait(["x"], timedelta(seconds=1))
+
+
+def test_a_long_store_wait_reads_when_its_key_is_written_not_at_a_rate(etcd):
+    """After its first read a wait watches the missing keys: over a 1.5 s wait for a key
+    (then for N keys under one prefix, as rank 0 gathers the node ids) it reads a handful
+    of times, not every 0.5 s (slow_poll) or 50 ms; the guard still runs at its interval."""
+    with etcd.client() as c:
+        paths: list[str] = []
+        c.on_request = lambda path, seconds: paths.append(path)
+        store = Etcd3Store(c, f"/{unique_run_id()}/store", timeout=timedelta(seconds=60))
+        store.slow_poll = timedelta(milliseconds=50)   # what a broken watch would poll at
+        guarded: list[int] = []
+        store.guard = lambda: guarded.append(1)
+        threading.Timer(1.5, lambda: store.set("late", "v")).start()
+        assert store.get("late") == b"v"
+        reads = paths.count("/kv/txn")
+        assert 2 <= reads <= 8, paths            # polling at 50 ms: ~15 after the first 100 ms
+        assert 2 <= len(guarded) <= 4, guarded   # every 0.5 s (guard_interval)
+        paths.clear()
+        threading.Timer(1.5, lambda: [store.set(f"node/{r}", str(r)) for r in range(4)]).start()
+        assert store.multi_get([f"node/{r}" for r in range(4)]) == [b"0", b"1", b"2", b"3"]
+        assert paths.count("/kv/txn") <= 12, paths   # ~5 fast, then one per key written
+
+
+def test_a_store_wait_reads_every_watched_poll_even_if_its_watch_never_fires(etcd, monkeypatch):
+    """Correctness never rests on the watch: one that stays open but quiet (a member cut off
+    from its cluster) still lets the wait read every watched_poll, and find its key."""
+    from resilient.etcd.watch import Watch
+
+    monkeypatch.setattr(Watch, "wait", lambda self, timeout: (time.sleep(float(timeout)), False)[1])
+    with etcd.client() as c:
+        store = Etcd3Store(c, f"/{unique_run_id()}/store", timeout=timedelta(seconds=60))
+        store.watched_poll = timedelta(seconds=0.3)
+        threading.Timer(0.5, lambda: store.set("late", "v")).start()
+        assert store.get("late") == b"v"
 
 
 def test_store_add_is_atomic_across_threads(etcd):

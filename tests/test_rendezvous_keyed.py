@@ -5,6 +5,7 @@ restart, a dead job's leftovers, and records that fail authentication."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -231,3 +232,27 @@ def test_poll_slows_with_the_fleet():
 
     s = KeyedSettings(1, 512, poll=timedelta(seconds=0.1), poll_per_node=timedelta(milliseconds=1))
     assert 512 / (s.poll + 512 * s.poll_per_node).total_seconds() < 1000
+
+
+def test_waiting_nodes_read_when_the_round_closes_not_at_the_closers_rate(etcd):
+    """Only the round's closer (its oldest joiner) polls at the full rate to count arrivals for
+    its last call; the others watch the round's membership key and read when it is written
+    (else watched_slowdown times less often). All four still agree on one membership."""
+    run_id = unique_run_id("keyed-watch")
+    hs = [_handler(etcd.endpoint, run_id, 2, 8, last_call_timeout=1.5) for _ in range(4)]
+    reads = [[] for _ in hs]
+    for h, mine in zip(hs, reads):
+        h.client.on_request = lambda path, seconds, mine=mine: mine.append(path)
+        # a non-closer then polls every ~24 s: only the watch on the round's membership
+        # brings it back within the 1.5 s last call and a few polls
+        h.settings.watched_slowdown = 1000
+    try:
+        start = time.monotonic()
+        infos = _rendezvous(hs)
+        assert time.monotonic() - start < 15, "the non-closers slept out their slowed poll"
+        names = _one_membership(hs, infos)
+        polls = sorted(r.count("/kv/txn") for r in reads)
+        # the closer at the full rate; polling alike, all four were within a few of each other
+        assert polls[-1] >= 2 * polls[-2], (names, polls)
+    finally:
+        _shutdown(hs)

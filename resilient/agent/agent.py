@@ -328,6 +328,8 @@ class ResilientAgent(SimpleElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
         warm = 0
+        if self.store is not None:   # before they start: every version in the store now is older workers'
+            self.store.set_workers({w.global_rank for w in worker_group.workers}, worker_group.workers[0].world_size)
         for worker in worker_group.workers:
             wp, was_warm = self.pool.take()
             warm += was_warm
@@ -337,8 +339,6 @@ class ResilientAgent(SimpleElasticAgent):
         # Spares are refilled once these workers have beaten (see _refill_when_running): new
         # spares importing torch next to workers that are still starting would slow them down.
         self._refill_pending = True
-        if self.store is not None:
-            self.store.set_workers({w.global_rank for w in worker_group.workers}, worker_group.workers[0].world_size)
         self.events.emit("workers_started", round=self._round, local_ranks=sorted(self.procs),
                          warm=warm, pids=[p.pid for p in self.procs.values()])
         return {r: p.pid for r, p in self.procs.items()}

@@ -42,7 +42,7 @@ class StoreSettings:
     host: str = "0.0.0.0"
     duty: float = 0.1
     max_stride: int = 1
-    commit: str = "etcd"
+    commit: str = "leader"   # as SnapshotConfig.commit; launch.store_settings passes it
 
 
 class NodeStoreService:

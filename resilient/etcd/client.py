@@ -307,13 +307,19 @@ class EtcdClient:
     def get_many(self, keys: Sequence[bytes | str]) -> list[KeyValue | None]:
         """Read several keys in one round trip (a compare-less txn) per :attr:`MAX_TXN_OPS`
         keys; each batch is read at one revision."""
+        return self.get_many_at(keys)[0]
+
+    def get_many_at(self, keys: Sequence[bytes | str]) -> tuple[list[KeyValue | None], int | None]:
+        """:meth:`get_many`, and the revision of the read when it took one request (a watch
+        from it misses nothing: resilient.etcd.watch); None when it took several."""
         out: list[KeyValue | None] = []
+        revision = None
         for i in range(0, len(keys), self.MAX_TXN_OPS):
-            reads = [{"request_range": {"key": _b64(k)}} for k in keys[i:i + self.MAX_TXN_OPS]]
-            for r in self.txn([], reads, []).get("responses") or []:
-                kvs = _response(r, "range").get("kvs")
-                out.append(_kv(kvs[0]) if kvs else None)
-        return out
+            resp = self.txn([], [{"request_range": {"key": _b64(k)}} for k in keys[i:i + self.MAX_TXN_OPS]], [])
+            out += [_kv(kvs[0]) if kvs else None
+                    for kvs in (_response(r, "range").get("kvs") for r in resp.get("responses") or [])]
+            revision = (int((resp.get("header") or {}).get("revision", 0)) or None) if i == 0 else None
+        return out, revision
 
     def get_prefix(self, prefix: bytes | str) -> list[KeyValue]:
         """All keys starting with ``prefix``, in key order."""

@@ -140,3 +140,38 @@ class Gateway:
             conns, self._all = self._all, []
         for _, c in conns:
             c.close()
+
+
+def open_stream(gw: Gateway, path: str, body: dict[str, Any]) -> tuple[socket.socket, bytes]:
+    """POST ``body`` to ``path`` on a connection of its own whose answer streams (etcd's
+    ``/v3/watch``: a chunked response of one JSON message per line, open until closed);
+    returns the socket and what was read past the answer's headers. Not the thread's
+    keep-alive connection: the stream holds its connection for as long as it is open."""
+    sock: socket.socket | None = None
+    try:
+        sock = socket.create_connection((gw.host, gw.port), timeout=gw.timeout)
+        if gw.context is not None:
+            sock = gw.context.wrap_socket(sock, server_hostname=gw.host)
+        head = "".join(f"{k}: {v}\r\n" for k, v in gw.headers.items())
+        data = json.dumps(body).encode()
+        host = gw.base_url.split("://", 1)[1]   # host:port, an IPv6 host in brackets
+        sock.sendall(f"POST {gw.api_path}{path.lstrip('/')} HTTP/1.1\r\nHost: {host}\r\n"
+                     f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            more = sock.recv(65536)
+            if not more:
+                raise ConnectionError("closed before the answer's headers")
+            got += more
+    except (OSError, ssl.SSLError) as e:
+        if sock is not None:
+            sock.close()
+        raise Unreachable(f"{gw.base_url}: {type(e).__name__}: {e}") from None
+    headers, rest = got.split(b"\r\n\r\n", 1)
+    status = headers.split(b"\r\n", 1)[0].split()
+    code = int(status[1]) if len(status) > 1 and status[1].isdigit() else 0
+    if code != 200:
+        sock.close()
+        text = f"{gw.base_url}: HTTP {code or headers[:80]!r} to a streamed {path}"
+        raise (ServerBusy if code >= 500 or code == 408 else Refused)(text)
+    return sock, rest

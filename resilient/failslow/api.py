@@ -46,6 +46,7 @@ class FailSlowConfig:
     reform_seconds: float = knob(0.0, "cost model: seconds a re-form costs the whole job; 0 = measured (this worker's time from process start to its first step)")
     min_remaining_steps: int = knob(0, "cost model: never act with fewer steps left than this (0: the arithmetic alone decides)")
     rejoin_probes: int = knob(3, "replace: healthy compute probes in a row a node marked slow needs before it rejoins (as a spare)")
+    trace: bool = knob(False, "rank 0 writes the detector's state at every exchange (each rank's own time, each signal's evidence, the level it must reach, its filtered excess) to failslow-trace.jsonl in the run dir: why a slowdown was named when it was, or not at all")
     rejoin_interval: float = knob(5.0, "replace: seconds between a marked node's compute probes")
 
     def validate(self, source: str = "[failslow]") -> None:

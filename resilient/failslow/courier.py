@@ -17,9 +17,12 @@ after the judging (monitor.py), usually one or two steps later.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import threading
+import time
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
@@ -36,23 +39,28 @@ CLOSE_WAIT = timedelta(seconds=2)
 # More exchanges queued than this: the courier (the gather, and on rank 0 the detector: ~10 µs
 # per rank) is slower than the steps; the verdicts lag further each step.
 BACKLOG_WARN = 64
+LINK = -1   # Courier.retry's name for the link signal
 
 
 class Courier:
     """``group``: the gloo group the timings travel on (its own); ``detector``: rank 0's."""
 
-    def __init__(self, group: Any, rank: int, world: int, width: int, detector: Detector | None = None):
+    def __init__(self, group: Any, rank: int, world: int, width: int, detector: Detector | None = None,
+                 trace: str | os.PathLike | None = None):
+        """``trace``: rank 0 appends the detector's state after every observation there
+        (JSON lines: ``time``, ``step``, :meth:`Detector.state`, ``verdicts`` as causes)."""
         import torch.distributed as dist
 
         self.group, self.rank, self.world, self.width = group, rank, world, width
         self.root = dist.get_global_rank(group, 0)
         self.detector = detector
         self.history: list | None = None   # a list to keep every (step, matrix) in (rank 0; the bench)
+        self._trace = open(trace, "a", buffering=1) if trace is not None and detector is not None else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Condition()   # the detector's state (held from the training thread), the counts
         self._found: dict | None = None
         self._pending = 0
-        self._rearm: dict[int, int] = {}   # rank -> observations until its verdict is forgotten
+        self._rearm: dict[int, int] = {}   # rank (LINK: the link) -> observations until its verdict is forgotten
         self.error: BaseException | None = None
         self._warned = False
         self._thread = threading.Thread(target=self._run, name="resilient-failslow-courier", daemon=True)
@@ -99,8 +107,8 @@ class Courier:
                         self._found = None
 
     def retry(self, ranks: list[int], after: int) -> None:
-        """Rank 0: forget the verdict on ``ranks`` after ``after`` more observations, so that a
-        slowdown still there is judged (and weighed) again."""
+        """Rank 0: forget the verdict on ``ranks`` (:data:`LINK`: the link's) after ``after``
+        more observations, so that a slowdown still there is judged (and weighed) again."""
         if self.detector is not None:
             with self._lock:
                 for r in ranks:
@@ -117,6 +125,10 @@ class Courier:
             self.drain(CLOSE_WAIT)
         self._inbox.put(_STOP)
         self._thread.join(timeout=CLOSE_WAIT.total_seconds())
+        if self._trace is not None:
+            with self._lock:
+                self._trace.close()
+                self._trace = None
 
     def _run(self) -> None:
         import torch
@@ -151,8 +163,14 @@ class Courier:
                 self._rearm[r] -= 1
                 if self._rearm[r] <= 0:
                     del self._rearm[r]
-                    self.detector.rearm([r])
+                    if r == LINK:
+                        self.detector.rearm_link()
+                    else:
+                        self.detector.rearm([r])
             verdicts = self.detector.observe(step, rows)
+            if self._trace is not None:
+                self._trace.write(json.dumps({"time": round(time.time(), 3), "step": step, **self.detector.state(),
+                                              "verdicts": [v.cause for v in verdicts]}) + "\n")
             if verdicts:
                 found = self._found or {"verdicts": []}
                 found["rows"] = rows

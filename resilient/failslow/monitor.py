@@ -40,6 +40,7 @@ re-form at once.
 from __future__ import annotations
 
 import json
+import os
 import time
 from statistics import median
 from typing import Any, ContextManager
@@ -49,7 +50,7 @@ import torch.distributed as dist
 
 from resilient.failslow.api import PHASES, FailSlowConfig, Straggler
 from resilient.failslow.detector import WALL, Detector
-from resilient.failslow.courier import Courier
+from resilient.failslow.courier import LINK, Courier
 from resilient.failslow.policy import Decision, decide
 from resilient.failslow.probe import SLOW_COMPUTE, judge, run_probe
 from resilient.failslow.replace import agree, note_leaving
@@ -60,6 +61,18 @@ N = len(PHASES)
 # this many exchanges later: a spare started meanwhile takes the seat then, and a slowdown
 # that lasts does not write a straggler event every few steps meanwhile.
 NO_SEAT_RETRY = 30
+# A verdict the probe did not bear out (a link it could not locate, a rank it did not find
+# slow) is forgotten after this many exchanges, so the evidence builds up afresh and the probe
+# runs again if the slowdown lasts. Why: one probe is a sample. A lossy TCP link is slow on
+# average, not on every message; a probe of a few messages can miss its retransmission stalls
+# (the CI campaign's fifth of the packets dropped: steps 10x slower, and one probe found every
+# edge alike, once in a few runs); a rank's probe can land in a lull of its slowdown. One miss
+# used to silence the verdict for the whole slowdown (a raised signal stays raised while slow).
+PROBE_RETRY = 4
+# A suspected rank (detector.py) is named only if the probe times its compute at least this
+# much slower than the others': higher than a verdict's own probe check (SLOW_COMPUTE), as
+# the timings alone were not sure (a slowed rank measured 4.9-5.6x in the soak).
+SUSPECT_CONFIRM = 1.5
 
 
 def process_age_seconds() -> float:
@@ -74,7 +87,7 @@ class FailSlowMonitor:
     for a job of one rank: the timer still runs for ``job.phase``, nothing is judged)."""
 
     def __init__(self, cfg: FailSlowConfig, *, group: Any, rank: int, world: int, node: str, events: Any,
-                 device: Any = None):
+                 device: Any = None, trace: str | os.PathLike | None = None):
         cfg.validate()
         self.cfg, self.group, self.rank, self.world, self.events = cfg, group, rank, world, events
         self.device = device   # where the probe computes
@@ -89,7 +102,8 @@ class FailSlowMonitor:
             self.nodes = [str(n) for n in gathered]
             # the timings' own group: the courier's thread issues its gathers there, in its order
             lane = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
-            self.courier = Courier(lane, rank, world, N, Detector(cfg, self.nodes) if rank == 0 else None)
+            self.courier = Courier(lane, rank, world, N, Detector(cfg, self.nodes) if rank == 0 else None,
+                                   trace=trace if cfg.trace else None)
         self._root = dist.get_global_rank(group, 0) if group is not None else 0
         self._flag = torch.zeros(1, dtype=torch.float64)
         self._raised: set[int] = set()   # ranks rank 0's detector holds judged (a probe must not name them again)
@@ -177,6 +191,11 @@ class FailSlowMonitor:
                 return None   # the slow rank the timings already named: its waits, not a link
             self._hold(j["slow_ranks"])
         elif j["slow_rank"] is None:
+            if self.rank == 0:
+                self.events.emit("failslow_probe", step=s.step, suspected="link", located=False,
+                                 evidence={**s.evidence, **j["evidence"]})
+            if self.courier is not None:
+                self.courier.retry([LINK], PROBE_RETRY)
             return None
         evidence = {**s.evidence, **j["evidence"], "probed": True,
                     "probe_factor": round(j["factor"], 3) if j["factor"] else None}
@@ -184,30 +203,38 @@ class FailSlowMonitor:
                          slow_ranks=j["slow_ranks"], slow_node=j["slow_node"],
                          steps_of_evidence=s.steps_of_evidence, evidence=evidence)
 
-    def _host_or_device(self, s: Straggler) -> Straggler:
-        """A slow rank with node mates, probed: are they all slow (the host) or is it alone?
-        Their timing signals rarely cross together (each is stopped or starved at its own
-        points of the step); one probe of every rank's compute answers at once."""
+    def _device_probed(self, s: Straggler) -> Straggler | None:
+        """A rank the timings name, probed: named if its compute is slow beside the others'
+        (alone: a device; with all its node mates: the host), else let go (a ``failslow_probe``
+        event). A suspect (evidence past the configured level, not past its noise's:
+        detector.py) needs the probe to find more. Why every one: on the soak's host, the
+        timings alone named ranks nobody had slowed (its own time swings 0-200 ms a step)."""
         compute, edges = run_probe(self.group, self.rank, self.world, self.device)
         self.timer.lap()
         j = judge(compute, edges, self.nodes)
         evidence = {**s.evidence, **j["evidence"], "probed": True}
-        if j["cause"] == "host" and j["slow_node"] == s.slow_node:
+        need = SUSPECT_CONFIRM if s.evidence.get("suspected") else SLOW_COMPUTE
+        if j["cause"] in ("device", "host") and s.slow_rank in j["slow_ranks"] and j["factor"] >= need:
             self._hold(j["slow_ranks"])
-            return Straggler(step=s.step, cause="host", factor=s.factor, slow_rank=s.slow_rank,
-                             slow_ranks=j["slow_ranks"], slow_node=s.slow_node,
-                             steps_of_evidence=s.steps_of_evidence, evidence=evidence)
-        s.evidence = evidence
-        return s
+            return Straggler(step=s.step, cause=j["cause"], factor=s.factor, slow_rank=s.slow_rank,
+                             slow_ranks=j["slow_ranks"], slow_node=s.slow_node, steps_of_evidence=s.steps_of_evidence,
+                             evidence={**evidence, "probe_factor": round(j["factor"], 3)})
+        if self.rank == 0:
+            self.events.emit("failslow_probe", step=s.step, suspected="device", slow_rank=s.slow_rank,
+                             located=False, evidence=evidence)
+        # not named: a link's probe that finds this rank slow later must name it (_probed)
+        self._raised.difference_update(s.slow_ranks)
+        if self.courier is not None and not s.evidence.get("suspected"):
+            # a suspect was never raised (detector.SUSPECT_COOLDOWN spaces its probes)
+            self.courier.retry(s.slow_ranks, PROBE_RETRY)
+        return None
 
     def _verdict(self, s: Straggler, rows: list[list[float]]) -> None:
-        if s.cause == "link":
-            probed = self._probed(s)
+        if s.cause in ("link", "device"):
+            probed = self._probed(s) if s.cause == "link" else self._device_probed(s)
             if probed is None:
                 return
             s = probed
-        elif s.cause == "device" and 1 < self.nodes.count(s.slow_node) < self.world:
-            s = self._host_or_device(s)
         step_seconds = median(r[WALL] for r in rows) / self.cfg.every
         remaining = self.total_steps - s.step if self.total_steps is not None else None
         reform, seat = self.reform_seconds or 0.0, None

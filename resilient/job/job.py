@@ -251,7 +251,7 @@ class Job:
         # ... which the fail-slow monitor runs, telling every rank when rank 0 found a straggler
         self.failslow = FailSlowMonitor(self.config.failslow, group=self._stop_group, rank=self.rank,
                                         world=self.world_size, node=self.events.node, events=self.events,
-                                        device=self.device)
+                                        device=self.device, trace=self.run_dir / "failslow-trace.jsonl")
         self.hooks = self._load_hooks()
 
     # ---------------------------------------------------------------- set-up

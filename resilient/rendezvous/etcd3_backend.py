@@ -30,6 +30,7 @@ clean instead of inheriting a dead job's membership.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from datetime import timedelta
@@ -40,6 +41,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from resilient.etcd.api import EtcdError, EtcdLeaseExpired, EtcdUnavailable
 from resilient.etcd.client import EtcdClient, LivenessLease
+from resilient.etcd.watch import Watch
 from resilient.rendezvous.api import (
     RendezvousError,
     RendezvousRoundLost,
@@ -189,9 +191,10 @@ class Etcd3Store(dist.Store):
 
     Used by torch's elastic agent for small, infrequent exchanges (master
     address and port, rank assignment, exit barriers), never by training
-    traffic. Blocking calls poll with a short backoff (capped at 50 ms, and at
-    ``slow_poll`` once a wait lasts past a second) and read all awaited keys in one
-    request per 128.
+    traffic. Blocking calls watch the missing keys after their first read and
+    read again when one is written (:mod:`resilient.etcd.watch`); where no watch
+    can be had they poll (a backoff capped at 50 ms, at ``slow_poll`` once a wait
+    lasts past a second). All awaited keys are read in one request per 128.
 
     ``guard``, when set (the etcd3 handler sets it to its ``round_lost``), is
     asked every ``guard_interval`` while a wait is unmet: keys a dead member
@@ -201,7 +204,11 @@ class Etcd3Store(dist.Store):
 
     guard: Callable[[], str | None] | None = None
     guard_interval: timedelta = timedelta(seconds=0.5)
-    slow_poll: timedelta = timedelta(seconds=0.5)  # how often a wait past its first second polls
+    # A wait watches its missing keys (resilient.etcd.watch) and reads when one is written,
+    # else every ``watched_poll``; ``slow_poll``: how often a wait past its first second
+    # reads where no watch can be had.
+    watched_poll: timedelta = timedelta(seconds=5)
+    slow_poll: timedelta = timedelta(seconds=0.5)
 
     def __init__(
         self,
@@ -288,29 +295,62 @@ class Etcd3Store(dist.Store):
 
     def _wait(self, keys: list[str], timeout: timedelta) -> list[bytes]:
         deadline = time.monotonic() + timeout.total_seconds()
-        full = [self._k(k) for k in keys]
         delay = 0.005
         next_guard = time.monotonic() + self.guard_interval.total_seconds()
-        while True:
-            kvs = _translate("store wait", lambda: self.client.get_many(full))
-            if all(kv is not None for kv in kvs):
-                return [kv.value for kv in kvs]  # type: ignore[union-attr]
-            missing = [k for k, kv in zip(keys, kvs) if kv is None]
-            if self.guard is not None and time.monotonic() >= next_guard:
-                next_guard = time.monotonic() + self.guard_interval.total_seconds()
-                reason = self.guard()
-                if reason:
-                    raise RendezvousRoundLost(
-                        f"etcd store {self.prefix}: stopped waiting for keys {missing}: {reason}; "
-                        f"joining the next round")
-            if time.monotonic() >= deadline:
-                raise dist.DistStoreError(
-                    f"etcd store {self.prefix}: keys {missing} were not set within "
-                    f"{timeout.total_seconds():.1f} s; a peer agent is missing or slow"
-                )
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            # Fast at first (a barrier's keys usually come within milliseconds); a wait that
-            # lasts is for a slow peer, and N agents polling at 20/s each swamp etcd at
-            # hundreds of nodes (bench/scale.py, 512 nodes: 10k reads a second).
-            waited = timeout.total_seconds() - (deadline - time.monotonic())
-            delay = min(delay * 2, 0.05 if waited < 1.0 else self.slow_poll.total_seconds())
+        watch: Watch | None = None
+        read, missing, revision, last_read = True, list(keys), None, 0.0
+        got: dict[str, bytes] = {}   # keys read so far: only the missing ones are read again
+        try:
+            while True:
+                if read:
+                    last_read = time.monotonic()
+                    asked = list(dict.fromkeys(k for k in keys if k not in got))
+                    kvs, revision = _translate("store wait", lambda: self.client.get_many_at([self._k(k) for k in asked]))
+                    got.update({k: kv.value for k, kv in zip(asked, kvs) if kv is not None})
+                    missing = [k for k in dict.fromkeys(keys) if k not in got]
+                    if not missing:
+                        return [got[k] for k in keys]
+                now = time.monotonic()
+                if self.guard is not None and now >= next_guard:
+                    next_guard = now + self.guard_interval.total_seconds()
+                    reason = self.guard()
+                    if reason:
+                        raise RendezvousRoundLost(
+                            f"etcd store {self.prefix}: stopped waiting for keys {missing}: {reason}; "
+                            f"joining the next round")
+                if now >= deadline:
+                    raise dist.DistStoreError(
+                        f"etcd store {self.prefix}: keys {missing} were not set within "
+                        f"{timeout.total_seconds():.1f} s; a peer agent is missing or slow"
+                    )
+                waited = timeout.total_seconds() - (deadline - now)
+                if watch is None:
+                    # A wait that lasts is for a slow peer (or for one node gathering N): from
+                    # now on read when a missing key is written, not at a rate. N agents polling
+                    # swamped etcd at hundreds of nodes (bench/scale.py, 512 nodes: 10k reads
+                    # a second at 50 ms). From the read's revision: nothing is missed (without
+                    # one, read once more after opening it).
+                    gone = [self._k(k) for k in missing]
+                    common = gone[0] if len(gone) == 1 else os.path.commonprefix(gone)
+                    watch = Watch(self.client, common, prefix=len(gone) > 1, after=revision,
+                                  fallback=self.slow_poll, open_timeout=timedelta(seconds=deadline - now))
+                    if revision is None:
+                        continue
+                if watch is not None and not watch.broken:
+                    until = min(deadline, next_guard) if self.guard is not None else deadline
+                    until = min(until, last_read + self.watched_poll.total_seconds())
+                    # a quiet watch needs no read, only the guard's (a dead peer writes nothing);
+                    # but every watched_poll one all the same (a watch that went quiet on a
+                    # member cut off from its cluster would otherwise hold the wait to its end)
+                    changed = watch.wait(max(0.0, until - now))
+                    now = time.monotonic()
+                    read = changed or now >= deadline or now >= last_read + self.watched_poll.total_seconds()
+                    continue
+                # No watch to be had: poll, fast at first (a barrier's keys come within ms),
+                # then every slow_poll (N agents polling at 20/s swamp etcd at hundreds of nodes)
+                read = True
+                time.sleep(min(delay, max(0.0, deadline - now)))
+                delay = min(delay * 2, 0.05 if waited < 1.0 else self.slow_poll.total_seconds())
+        finally:
+            if watch is not None:
+                watch.close()

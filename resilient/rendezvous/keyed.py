@@ -65,7 +65,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from resilient.etcd.client import EtcdClient, LivenessLease, _b64, _range, _response
-from resilient.rendezvous.etcd3_backend import _translate
+from resilient.etcd.watch import Watch
+from resilient.rendezvous.etcd3_backend import Etcd3Store, _translate
 from resilient.secret import RDZV_STATE, JobSecret, Unauthentic, read_records, report_unauthentic
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ class KeyedSettings:
     # so that the fleet's polling load on etcd stays near ``1 / poll_per_node`` requests a second.
     poll: timedelta = timedelta(seconds=0.1)
     poll_per_node: timedelta = timedelta(milliseconds=1)
+    # A node that waits for something another writes (round r's membership, the next round)
+    # watches that key (resilient.etcd.watch) and polls this many times less often: etcd says
+    # when to read. Only the round's closer, which counts the arrivals, polls at the full rate.
+    watched_slowdown: int = 5
 
 
 class KeyedRendezvousHandler(RendezvousHandler):
@@ -153,10 +158,16 @@ class KeyedRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self.settings.join_timeout.total_seconds()
         came_back, self._joined, self._put_join = self._joined, None, None
-        r = self._round()
-        if came_back is not None and came_back[0] == r:
-            r = self._abandon(r)  # our agent restarts its workers: every member re-forms
+        # Our agent restarts its workers: every member re-forms (the round moves on, unless
+        # another member moved it already; one transaction either way, not a read first:
+        # 512 members coming back at once are 512 of them).
+        r = self._abandon(came_back[0]) if came_back is not None else self._round()
         call = _LastCall(self.settings)
+        with _Waits(self) as waits:
+            return self._next_round(r, call, deadline, waits)
+
+    def _next_round(self, r: int, call: "_LastCall", deadline: float, waits: "_Waits") -> RendezvousInfo:
+        """:meth:`next_rendezvous` from round r on (``waits``: the watch it sleeps on)."""
         while True:
             got = self._poll(r, count=f"{self.base}/{r}/join/", read_done=True)
             if got.closed:
@@ -171,7 +182,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
                 if self._node in members:
                     return self._joined_round(r, members)
                 self._stand_by(r, members)  # a late arrival: wait for the round after r
-                r, call = self._wait_round_after(r, deadline), _LastCall(self.settings)
+                r, call = self._wait_round_after(r, deadline, waits), _LastCall(self.settings)
                 continue
             if not got.mine:  # not yet, or etcd lost it (a restart from an old snapshot)
                 self._put_join = None
@@ -187,7 +198,12 @@ class KeyedRendezvousHandler(RendezvousHandler):
                     f"the rendezvous {self.run_id!r} did not form round {r} within "
                     f"{self.settings.join_timeout.total_seconds():.0f} s: {got.count} of at least "
                     f"{self.settings.min_nodes} node(s) joined")
-            self._sleep(got.count)
+            if got.oldest == self._put_join or not got.mine:
+                # the closer counts the arrivals for its last call; and a read from before this
+                # node's join cannot tell whether it is the closer (the first in an empty round)
+                self._sleep(got.count)
+            else:
+                waits.until_changed(f"{self.base}/{r}/done", got.count, got.revision)
 
     # -- what the agent adds -------------------------------------------------------
     def members_by_rank(self) -> list[str]:
@@ -244,6 +260,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         closed: bool
         mine: bool   # this node's join key of round r exists
         oldest: str | None  # the oldest join key of round r (its closer)
+        revision: int = 0   # etcd's revision of this read (a watch reports what changed since)
 
     def _poll(self, r: int, count: str, read_done: bool = False) -> "KeyedRendezvousHandler._Seen":
         """The round counter, round r's ``done``, how many keys under ``count``, ``closed``,
@@ -271,7 +288,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
             done = b"" if int(reads[1].get("count", 0)) > 0 else None
         oldest = _decode(kvs[5]["key"]).decode() if len(kvs) > 5 and kvs[5] else None
         return self._Seen(round_now, done, int(reads[2].get("count", 0)), kvs[3] is not None,
-                          int(reads[4].get("count", 0)) > 0, oldest)
+                          int(reads[4].get("count", 0)) > 0, oldest, int((resp.get("header") or {}).get("revision", 0)))
 
     def _round_of(self, raw: bytes | None) -> int:
         key = f"{self.base}/round"
@@ -309,6 +326,8 @@ class KeyedRendezvousHandler(RendezvousHandler):
                          lambda: self.client.compare_value_and_swap(key, old, new))
         if res.succeeded and r >= 1:
             _translate("dropping an old round", lambda: self.client.delete_prefix(f"{self.base}/{r - 1}/"))
+        if not res.succeeded and res.kv is None:
+            return self._round()   # no counter at all (etcd lost it): the run's first round again
         return r + 1 if res.succeeded else self._round_of(res.kv.value if res.kv else None)
 
     def _join(self, r: int) -> None:
@@ -337,6 +356,12 @@ class KeyedRendezvousHandler(RendezvousHandler):
     def _joined_round(self, r: int, members: list[str]) -> RendezvousInfo:
         self._joined, self._spare = (r, members), False
         rank, world = members.index(self._node), len(members)
+        # The store's waits ask round_lost (one transaction, counting the round's N join keys)
+        # at this interval: every 0.5 s on every node was ~1,000 transactions a second at 512
+        # nodes while they exchanged their ids; now as often as a watching node polls.
+        if isinstance(self._store, Etcd3Store):
+            self._store.guard_interval = timedelta(seconds=max(
+                Etcd3Store.guard_interval.total_seconds(), self._interval(world) * self.settings.watched_slowdown))
         store = PrefixStore(f"torch.rendezvous.{self.run_id}.{r}", self._store)
         log.info("node %s joined round %d of the rendezvous %r as rank %d of %d",
                  self._node, r, self.run_id, rank, world)
@@ -350,7 +375,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         value = self.secret.seal_record(RDZV_STATE, key, {"node": self._node})
         _translate("waiting for a seat", lambda: self.client.put(key, value, lease=self.lease.id), self.lease)
 
-    def _wait_round_after(self, r: int, deadline: float) -> int:
+    def _wait_round_after(self, r: int, deadline: float, waits: "_Waits") -> int:
         """Wait until the round moves past r; the round then. A done round none of whose
         members is alive (their join keys lapsed with their leases: a job that ended or
         died under this run id) is abandoned here, as torch's state lapses with its lease."""
@@ -364,7 +389,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
             if not self._spare and time.monotonic() > deadline:
                 raise RendezvousTimeoutError(f"node {self._node} waited for a seat in the rendezvous "
                                              f"{self.run_id!r} longer than the join timeout")
-            self._sleep(got.count)
+            waits.until_changed(f"{self.base}/round", got.count, got.revision)
 
     # -- small helpers -----------------------------------------------------------------
     def _get(self, key: str):
@@ -375,9 +400,48 @@ class KeyedRendezvousHandler(RendezvousHandler):
         if key == self._put_join:
             self._put_join = None
 
-    def _sleep(self, nodes_seen: int) -> None:
+    def _interval(self, nodes_seen: int) -> float:
         s = self.settings
-        time.sleep(s.poll.total_seconds() + nodes_seen * s.poll_per_node.total_seconds())
+        return s.poll.total_seconds() + nodes_seen * s.poll_per_node.total_seconds()
+
+    def _sleep(self, nodes_seen: int) -> None:
+        time.sleep(self._interval(nodes_seen))
+
+
+class _Waits:
+    """The watch a waiting node sleeps on (one at a time, reopened when the awaited key
+    changes). Why: N nodes polling a round at a fixed rate were most of etcd's work in a
+    re-form at 512 simulated nodes (bench/scale.py); watching, they read when the key they
+    wait for is written, and otherwise ``watched_slowdown`` times less often than they
+    polled. Without a watch (:class:`~resilient.etcd.watch.Watch` broken) they poll as before."""
+
+    reopen = 30.0   # seconds after which a broken watch (etcd restarted) is tried again
+
+    def __init__(self, handler: KeyedRendezvousHandler) -> None:
+        self.h, self.key, self.watch, self.opened = handler, None, None, 0.0
+
+    def until_changed(self, key: str, nodes_seen: int, after: int) -> None:
+        """Sleep until ``key`` changes after revision ``after`` (the caller's last read) or a
+        slowed poll interval passes."""
+        interval = self.h._interval(nodes_seen)
+        if self.key != key or (self.watch is not None and self.watch.broken
+                               and time.monotonic() - self.opened > self.reopen):
+            self.close()
+            self.key, self.opened = key, time.monotonic()
+            self.watch = Watch(self.h.client, key, after=after, fallback=timedelta(seconds=interval))
+        assert self.watch is not None
+        self.watch.wait(interval * self.h.settings.watched_slowdown)
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+        self.key, self.watch = None, None
+
+    def __enter__(self) -> "_Waits":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class _LastCall:

@@ -115,11 +115,12 @@ class LeaderCommit:
         deadline = time.monotonic() + self.opts.gather_timeout.total_seconds()
         delay = 0.01
         group = group_of(attempt)   # the key of _leaders; leader_key derives it itself
+        workers = self.group        # a new worker group: this attempt's leader is moot
         while group not in self._leaders:
             kv = self.client.get(leader_key(self.run_id, attempt))
             if kv is not None:
                 self._remember_leader(group, kv)
-            if group in self._leaders or time.monotonic() > deadline:
+            if group in self._leaders or time.monotonic() > deadline or self.group != workers:
                 break
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
@@ -269,17 +270,24 @@ class LeaderCommit:
         key = (v.step, v.attempt)
         deadline = time.monotonic() + self.opts.gather_timeout.total_seconds()
         with self._cond:
+            group = self.group
             self._reports.setdefault(key, {})[self.node] = doc
             while True:
                 got = dict(self._reports.get(key, {}))
                 merged = merge_holds(got.values(), v.attempt, world)
                 missing = [r for r in range(world) if str(r) not in merged]
                 left = deadline - time.monotonic()
-                if not missing or left <= 0 or self._stop:
+                # A new worker group (a node lost, its holds never coming): the old group's
+                # version is dropped now, not after gather_timeout. Waiting it out held the
+                # new group's commits back 10 s while its durable versions went on
+                # (tests/test_job_launch.py: a replacement node then restored from durable).
+                if not missing or left <= 0 or self._stop or self.group != group:
                     break
                 self._cond.wait(left)
             for k in [k for k in self._reports if k[0] <= v.step]:
                 del self._reports[k]
+            if missing and self.group != group:
+                return None, {}
         if missing:
             self._emit("upload_error", step=v.step, phase="commit", error=(
                 f"holds of ranks {missing[:8]}{'...' if len(missing) > 8 else ''} were not reported within "

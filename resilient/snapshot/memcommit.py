@@ -76,7 +76,7 @@ from resilient.snapshot.durable import merge_rank_manifests
 from resilient.snapshot.format import object_crcs, rank_manifest_boxes, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError
-from resilient.snapshot.leadcommit import LeaderCommit, leader_key, merge_holds  # noqa: F401 (leader_key: re-exported)
+from resilient.snapshot.leadcommit import LeaderCommit, group_of, leader_key, merge_holds  # noqa: F401 (leader_key: re-exported)
 from resilient.snapshot.placement import place, replica_order
 from resilient.snapshot.priority import REPLICATION_NICE, background_priority
 
@@ -133,8 +133,8 @@ class ReplicatorOptions:
     # group's versions under one record (leadcommit.group_of): keyed per version, a follower
     # waited for records the leader never wrote for the versions it skipped, and the local
     # tier stalled again (tests/test_metrics.py's two-node job, 2 runs in ~12; fixed). The
-    # agents take it from ``snapshot.commit`` (default "etcd" until tests/test_job_launch.py's
-    # peer-RAM restore, which timed out once with "leader" as the default, is understood).
+    # agents take it from ``snapshot.commit`` (default "leader"); "etcd" here for the
+    # replicator built alone (the tests of the older protocol, and no PeerServer needed).
     protocol: str = "etcd"
     # How long the leader waits for every node's holds of a version before giving it up.
     gather_timeout: timedelta = timedelta(seconds=10)
@@ -152,6 +152,8 @@ class Replicator(LeaderCommit):
         self.world = 0
         self.done: int = -1                 # newest step handled
         self.since = 0.0                    # when the current worker group started
+        self.old_groups: frozenset[str] = frozenset()  # attempt groups of versions older workers left
+        self.group = 0                      # counts worker groups (set_workers): a version's work of an older one is dropped
         self.committed: dict[str, int] = {}  # tier -> newest step committed (seen by us)
         self._clients: dict[str, PeerClient] = {}
         self._cond = threading.Condition()
@@ -191,12 +193,20 @@ class Replicator(LeaderCommit):
         server.on_target = self._on_target
 
     def set_workers(self, ranks: set[int], world: int) -> None:
-        """The global ranks this node's workers now have (called at every worker start)."""
+        """The global ranks this node's workers now have (called at every worker start, after
+        the old ones stopped)."""
+        # Every version here now is an older worker group's (its workers are gone). Their
+        # attempt groups, not only their times, rule them out: one that landed within the
+        # slack below was otherwise handled as the new group's, and its leader waited out a
+        # gather of holds that the other nodes' new groups never report.
+        old = frozenset(group_of(v.attempt) for v in self.store.versions())
         with self._cond:
             # A new worker group: what the previous one left unfinished is not ours to commit.
             self.local_ranks, self.world = frozenset(ranks), world
-            self.since, self.done = time.time() - 0.5, -1
+            self.since, self.done, self.old_groups = time.time() - 0.5, -1, old
+            self.group += 1       # a gather of the old group's version waiting for a lost node ends now
             self._nodes_at = 0.0  # the membership changed: read the registry afresh
+            self._cond.notify_all()
         self._wake()
 
     def _wake(self) -> None:
@@ -217,10 +227,11 @@ class Replicator(LeaderCommit):
     def _ready(self) -> list[LocalVersion]:
         """The versions this node's workers finished writing, not yet handled, oldest first."""
         with self._cond:
-            mine, done, since = self.local_ranks, self.done, self.since
+            mine, done, since, old = self.local_ranks, self.done, self.since, self.old_groups
         if not mine:
             return []
-        return [v for v in self.store.versions() if mine <= v.ranks and v.step > done and v.mtime >= since]
+        return [v for v in self.store.versions()
+                if mine <= v.ranks and v.step > done and v.mtime >= since and group_of(v.attempt) not in old]
 
     def _newest_ready(self) -> tuple[LocalVersion | None, LocalVersion | None]:
         """(the newest finished version not yet handled, the newest one due under the budget)."""
@@ -259,6 +270,7 @@ class Replicator(LeaderCommit):
                 continue
             with self._cond:
                 self._busy = True
+                group = self.group
             t0 = time.monotonic()
             try:
                 self._handle(v)
@@ -267,7 +279,8 @@ class Replicator(LeaderCommit):
                 self._emit("upload_error", step=v.step, phase="replicate", error=f"{type(e).__name__}: {e}")
             finally:
                 with self._cond:
-                    self.done = max(self.done, v.step)
+                    if self.group == group:  # else a new group's restore may have gone back past it
+                        self.done = max(self.done, v.step)
                     self._busy = False
                     self._cond.notify_all()
             self._retain(below=self.done)
