@@ -9,7 +9,8 @@ import os
 import fsspec
 import pytest
 
-from resilient.snapshot.nodestore import MAPPINGS, Mappings, NodeStore, write_mapped
+from resilient.snapshot.mapping import MAPPINGS, Mappings, write_mapped
+from resilient.snapshot.nodestore import NodeStore
 from resilient.snapshot.storage import write_object
 
 

@@ -27,7 +27,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete, StorageError
-from resilient.snapshot.nodestore import OWNER, Spares, open_for_rewrite, readinto_at, write_mapped
+from resilient.snapshot.mapping import write_mapped
+from resilient.snapshot.nodestore import OWNER, Spares, open_for_rewrite, readinto_at
 
 T = TypeVar("T")
 
@@ -107,7 +108,7 @@ def _write_local(path: str, pieces: Iterable[Any], spares: Spares | None = None,
     """Temp file, fsync, rename, fsync the directory: the object is whole or absent, even after a power cut.
     ``spares``: a node store's retired files, one of which is rewritten in place if left;
     there, with ``size`` known beforehand, the bytes go in through a mapping
-    (:func:`~resilient.snapshot.nodestore.write_mapped`: tmpfs ``write`` is ~7x its cost)."""
+    (:func:`~resilient.snapshot.mapping.write_mapped`: tmpfs ``write`` is ~7x its cost)."""
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
