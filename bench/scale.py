@@ -222,7 +222,7 @@ def simulate(n: int, endpoint: str, metrics_url: str, etcd_pids: list[int], args
         # steady state's.
         _line(f"N={n}: each node's first whole read of the registry (not measured)")
         fleet.all("prime", max(2.0, n / 64))
-        _line(f"N={n}: idle {args.idle:.0f} s (keep-alives, node-loss checks)")
+        _line(f"N={n}: idle {args.idle:.0f} s (keep-alives, node-loss checks, waiting-node asks)")
         m = meter.mark()
         # What every agent does while training: lease keep-alives (threads) and, every third of
         # the node lease's TTL, a check for lost nodes (its ring neighbours; all every 10th).
@@ -417,11 +417,15 @@ def bench_row(results: list[dict], cmd: str, wall: float, raw: str, png: str) ->
           if versions else []),
         goal("keep-alive load linear in N", max(ka) <= 2 * min(ka),
              f"{', '.join(f'{k:.2f}' for k in ka)} keep-alives per node per second"),
-        goal("etcd load while training linear in N (requests and bytes per node per second within 2x across N)",
-             max(idle) <= 2 * min(idle) and max(out) <= 2 * min(out),
+        # At most linear: per node it may fall with N (the waiting-node asks slow down with the
+        # fleet), never rise past 2x of the smallest fleet's.
+        goal("etcd load while training at most linear in N (requests and bytes per node per second within "
+             "2x of the smallest N's)",
+             max(idle) <= 2 * idle[0] and max(out) <= 2 * out[0],
              f"{', '.join(f'{k:.2f}' for k in idle)} requests and {', '.join(f'{k:.1f}' for k in out)} kB "
-             "per node per second (keep-alives, node-loss checks of 3 ring neighbours; of all, what changed, "
-             "every max(10, N/8))"),
+             "per node per second (keep-alives; torch's agent loop asking for waiting nodes every 0.1 s, "
+             "read from etcd once per 0.1 s + N ms; node-loss checks of 3 ring neighbours; of all, what "
+             "changed, every max(10, N/8))"),
     ]
     ratio = ({"wpv": {"value": round(wpv[-1] / wpv[0], 3) if wpv[0] else None, "better": "lower",
                       "label": f"etcd writes per committed version at N={big['nodes']} / at N={small['nodes']}"}}

@@ -277,15 +277,22 @@ def fleet_main(conn, names: list[str], domains: list[str], cfg: dict[str, Any]) 
         conn.send(("closed", None))
 
 
-def _idle(nodes: list[SimNode], members: set[str], seconds: float, every: float) -> None:
-    """The agents' node-loss check (``NodeRegistry.lost``, as ``ResilientAgent`` calls it)
-    by every node every ``every`` seconds, for ``seconds``."""
+def _idle(nodes: list[SimNode], members: set[str], seconds: float, every: float, monitor: float = 0.1) -> None:
+    """A running job's control plane, for ``seconds``: the agents' node-loss check
+    (``NodeRegistry.lost``, as ``ResilientAgent`` calls it) by every node every ``every``
+    seconds, and torch's agent loop asking each node's handler for waiting nodes at every
+    healthy check (``num_nodes_waiting``, every ``monitor`` seconds: launch.monitor_interval)."""
     end = time.monotonic() + seconds
+    check = time.monotonic()
     while time.monotonic() < end:
         start = time.monotonic()
+        if start >= check:
+            check = start + every
+            for n in nodes:
+                n.registry.lost(members - {n.name}, neighbours=3)
         for n in nodes:
-            n.registry.lost(members - {n.name}, neighbours=3)
-        time.sleep(max(0.0, min(every - (time.monotonic() - start), end - time.monotonic())))
+            n.handler.num_nodes_waiting()
+        time.sleep(max(0.0, min(monitor - (time.monotonic() - start), end - time.monotonic())))
 
 
 def _safe(fn, arg, name: str) -> dict:

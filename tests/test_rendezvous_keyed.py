@@ -256,3 +256,38 @@ def test_waiting_nodes_read_when_the_round_closes_not_at_the_closers_rate(etcd):
         assert polls[-1] >= 2 * polls[-2], (names, polls)
     finally:
         _shutdown(hs)
+
+
+def test_a_members_asks_for_waiting_nodes_read_etcd_once_per_poll_interval(etcd):
+    """torch's agent asks at every healthy check (0.1 s) on every node: the handler reads
+    etcd at most once per its poll interval and answers from that read in between, and a
+    node that arrives is counted once the interval has passed."""
+    run_id = unique_run_id("keyed-asks")
+    hs = [_handler(etcd.endpoint, run_id, 2, 3) for _ in range(2)]
+    late = _handler(etcd.endpoint, run_id, 2, 3)
+    try:
+        _one_membership(hs, _rendezvous(hs))
+        member = hs[0]
+        member.settings.poll = timedelta(seconds=1.5)
+        reads: list[str] = []
+        member.client.on_request = lambda path, seconds: reads.append(path)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(late.next_rendezvous)
+            asked = time.monotonic()
+            answers = []
+            while time.monotonic() - asked < 1.0:   # ten healthy checks a second, for a second
+                answers.append(member.num_nodes_waiting())
+                threading.Event().wait(0.1)
+            # one read, one answer (0, or 1 if the late node's wait key was there already)
+            assert reads.count("/kv/txn") == 1 and len(set(answers)) == 1, (reads, answers)
+            threading.Event().wait(0.7)   # the interval (1.5 s + 2 ms per member) has passed
+            for _ in range(100):
+                if member.num_nodes_waiting() == 1:
+                    break
+                threading.Event().wait(0.05)
+            assert member.num_nodes_waiting() == 1 and reads.count("/kv/txn") == 2, reads
+            member.settings.poll = timedelta(seconds=0.02)
+            infos = [*_rendezvous(hs), waiting.result(timeout=20)]
+        assert len(_one_membership([*hs, late], infos)) == 3
+    finally:
+        _shutdown([*hs, late])

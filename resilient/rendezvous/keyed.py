@@ -31,8 +31,8 @@ A round's life (per r): **open** (joins accepted; it is closed once
 agent restarts, or it was lost). Exactly one membership per round: ``done``
 is created by a transaction that fails if it exists. A node polls with one
 transaction of small reads (the round, ``done``, the join count, ``closed``,
-its own join key, the oldest joiner) and reads
-the O(N) ``done`` record once; per round etcd sees N small puts, one
+its own join key; while it joins, the oldest joiner) and reads the O(N)
+``done`` record once; per round etcd sees N small puts, one
 membership write and one counter bump.
 
 Every record is sealed with the job secret (:mod:`resilient.secret`) and
@@ -112,6 +112,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._joined: tuple[int, list[str]] | None = None
         self._spare = False
         self._put_join: str | None = None  # the join key this node last wrote
+        self._waiting: tuple[int, float, int] | None = None  # num_nodes_waiting's last read: round, until, answer
 
     neighbours = 3  # members each member probes in evict()
 
@@ -146,14 +147,26 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """Nodes a re-form would admit: waiters while this node's round has room, and 1 when
-        the round was abandoned (another member came back to re-form: so must this one)."""
+        the round was abandoned (another member came back to re-form: so must this one).
+
+        Read from etcd at most once per poll interval (which grows with the round's size, as
+        a joining node's does), the answer kept in between. Why: torch's agent asks at every
+        healthy check (``monitor_interval``, 0.1 s), on every node, all run long: 5,120 etcd
+        transactions a second at 512 nodes, where the interval keeps the fleet near
+        ``1 / poll_per_node`` (bench/scale.py's idle phase asks as the agent does)."""
         if self._joined is None:
             return 0
         r, members = self._joined
+        now = time.monotonic()
+        if self._waiting is not None and self._waiting[0] == r and now < self._waiting[1]:
+            return self._waiting[2]
         got = self._poll(r, count=f"{self.base}/{r}/wait/")
         if got.round != r:
-            return 1
-        return got.count if len(members) < self.settings.max_nodes else 0
+            waiting = 1
+        else:
+            waiting = got.count if len(members) < self.settings.max_nodes else 0
+        self._waiting = (r, now + self._interval(len(members)), waiting)
+        return waiting
 
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self.settings.join_timeout.total_seconds()
@@ -169,7 +182,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
     def _next_round(self, r: int, call: "_LastCall", deadline: float, waits: "_Waits") -> RendezvousInfo:
         """:meth:`next_rendezvous` from round r on (``waits``: the watch it sleeps on)."""
         while True:
-            got = self._poll(r, count=f"{self.base}/{r}/join/", read_done=True)
+            got = self._poll(r, count=f"{self.base}/{r}/join/", joining=True)
             if got.closed:
                 if self._spare:
                     raise RendezvousGracefulExitError(f"the rendezvous {self.run_id!r} is closed: a spare leaves")
@@ -262,27 +275,33 @@ class KeyedRendezvousHandler(RendezvousHandler):
         oldest: str | None  # the oldest join key of round r (its closer)
         revision: int = 0   # etcd's revision of this read (a watch reports what changed since)
 
-    def _poll(self, r: int, count: str, read_done: bool = False) -> "KeyedRendezvousHandler._Seen":
+    def _poll(self, r: int, count: str, joining: bool = False) -> "KeyedRendezvousHandler._Seen":
         """The round counter, round r's ``done``, how many keys under ``count``, ``closed``,
-        whether this node's join key is there: one transaction of six small reads.
+        whether this node's join key is there, and (``joining``) round r's oldest joiner: one
+        transaction of small reads.
 
-        ``done`` is the O(N) membership record; only a joining node reads it (``read_done``).
-        The members' own checks (:meth:`round_lost`, :meth:`num_nodes_waiting`, every few
-        seconds on every node) only need to know it exists: reading it there was N² bytes a
-        check across the fleet (bench/scale.py at 256 nodes, a 10% re-form and its settling:
-        17.5 MB of etcd traffic before, 3.7 MB after)."""
+        Only a joining node reads the O(N) ``done`` record and asks for the oldest joiner
+        (it may be the round's closer). The members' own checks (:meth:`round_lost`,
+        :meth:`num_nodes_waiting`, on every node for the whole run) need neither:
+        - ``done`` only needs to exist there: reading it was N² bytes a check across the
+          fleet (bench/scale.py at 256 nodes, a 10% re-form and its settling: 17.5 MB of
+          etcd traffic before, 3.7 MB after);
+        - etcd answers a range sorted by creation by reading every key in it: with 512 join
+          keys a poll cost 1.2 ms of etcd CPU with it and 0.7 ms without (1,000 polls each,
+          this host)."""
         ops = [{"request_range": {"key": _b64(f"{self.base}/round")}},
-               {"request_range": {"key": _b64(f"{self.base}/{r}/done"), **({} if read_done else {"count_only": True})}},
+               {"request_range": {"key": _b64(f"{self.base}/{r}/done"), **({} if joining else {"count_only": True})}},
                {"request_range": {**_range(count), "count_only": True}},
                {"request_range": {"key": _b64(f"{self.base}/closed")}},
-               {"request_range": {"key": _b64(f"{self.base}/{r}/join/{self._node}"), "count_only": True}},
-               {"request_range": {**_range(f"{self.base}/{r}/join/"), "limit": 1, "keys_only": True,
-                                  "sort_target": "CREATE", "sort_order": "ASCEND"}}]
+               {"request_range": {"key": _b64(f"{self.base}/{r}/join/{self._node}"), "count_only": True}}]
+        if joining:
+            ops.append({"request_range": {**_range(f"{self.base}/{r}/join/"), "limit": 1, "keys_only": True,
+                                          "sort_target": "CREATE", "sort_order": "ASCEND"}})
         resp = _translate(f"reading rendezvous round {r}", lambda: self.client.txn([], ops, []))
         reads = [_response(x, "range") for x in resp.get("responses") or []]
         kvs = [(x.get("kvs") or [None])[0] for x in reads]
         round_now = self._round_of(_decode(kvs[0]["value"])) if kvs[0] else 0
-        if read_done:
+        if joining:
             done = _decode(kvs[1]["value"]) if kvs[1] else None
         else:
             done = b"" if int(reads[1].get("count", 0)) > 0 else None
