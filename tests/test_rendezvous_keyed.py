@@ -268,23 +268,25 @@ def test_a_members_asks_for_waiting_nodes_read_etcd_once_per_poll_interval(etcd)
     try:
         _one_membership(hs, _rendezvous(hs))
         member = hs[0]
-        member.settings.poll = timedelta(seconds=1.5)
+        member.settings.poll = timedelta(seconds=3)
+        interval = 3 + 2 * member.settings.poll_per_node.total_seconds()   # 3 s + 1 ms per member
         reads: list[str] = []
         member.client.on_request = lambda path, seconds: reads.append(path)
+        asked = time.monotonic()
+        assert member.num_nodes_waiting() == 0 and reads.count("/kv/txn") == 1, reads
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(late.next_rendezvous)
-            asked = time.monotonic()
             answers = []
-            while time.monotonic() - asked < 1.0:   # ten healthy checks a second, for a second
+            while time.monotonic() - asked < interval - 0.5:   # ten healthy checks a second
                 answers.append(member.num_nodes_waiting())
                 threading.Event().wait(0.1)
-            # one read, one answer (0, or 1 if the late node's wait key was there already)
-            assert reads.count("/kv/txn") == 1 and len(set(answers)) == 1, (reads, answers)
-            threading.Event().wait(0.7)   # the interval (1.5 s + 2 ms per member) has passed
-            for _ in range(100):
-                if member.num_nodes_waiting() == 1:
+            assert reads.count("/kv/txn") == 1 and set(answers) == {0}, (reads, answers)
+            wait_prefix = f"{member.base}/{member._joined[0]}/wait/"
+            for _ in range(400):   # the late node has put its wait key
+                if member.client.get_prefix(wait_prefix):
                     break
                 threading.Event().wait(0.05)
+            threading.Event().wait(max(0.0, asked + interval - time.monotonic()))
             assert member.num_nodes_waiting() == 1 and reads.count("/kv/txn") == 2, reads
             member.settings.poll = timedelta(seconds=0.02)
             infos = [*_rendezvous(hs), waiting.result(timeout=20)]

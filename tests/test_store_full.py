@@ -39,28 +39,39 @@ class Hog(threading.Thread):
         super().__init__(name="hog", daemon=True)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.stop, self.full = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
 
     def run(self) -> None:
         block = b"\0" * (1 << 20)
-        while not self.stop.is_set():
-            for size in (1 << 20, 4096):  # the big blocks first, then the single pages left
-                try:
-                    while True:
-                        os.write(self.fd, block[:size])
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC, e
+        try:
+            while not self.stop.is_set():
+                for size in (1 << 20, 4096):  # the big blocks first, then the single pages left
+                    try:
+                        while True:
+                            os.write(self.fd, block[:size])
+                    except OSError as e:
+                        if e.errno != errno.ENOSPC:
+                            raise
+                self.full.set()
+                self.stop.wait(0.005)
+        except BaseException as e:  # re-raised by __exit__: the store may not have stayed full
+            self.error = e
             self.full.set()
-            self.stop.wait(0.005)
 
     def __enter__(self) -> "Hog":
         self.start()
-        assert self.full.wait(30), "the store never filled"
+        if not self.full.wait(30) or self.error is not None:
+            self.__exit__()
+            raise AssertionError("the store never filled")
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.join(10)
         os.close(self.fd)
+        assert not self.is_alive(), "the hog did not stop"
+        if self.error is not None:
+            raise AssertionError(f"the hog failed: {self.error!r}") from self.error
 
 
 def test_a_node_store_that_fills_mid_run_warns_once_and_the_run_finishes(tmp_path):

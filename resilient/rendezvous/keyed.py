@@ -171,6 +171,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self.settings.join_timeout.total_seconds()
         came_back, self._joined, self._put_join = self._joined, None, None
+        self._waiting = None  # keyed by round number, which etcd losing its counter may repeat
         # Our agent restarts its workers: every member re-forms (the round moves on, unless
         # another member moved it already; one transaction either way, not a read first:
         # 512 members coming back at once are 512 of them).
@@ -261,6 +262,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
     def leave(self) -> None:
         """Leave this node's round now (a preempted node): the others' :meth:`round_lost`
         sees it at once instead of at its lease's expiry."""
+        self._waiting = None
         if self._joined is not None:
             self._delete(f"{self.base}/{self._joined[0]}/join/{self._node}")
 

@@ -26,7 +26,7 @@ class Mappings:
 
     Why: on this VM, mapping a 7 MB tmpfs file costs ~7 ms of kernel time (a page-table
     entry per 4 KiB page, ``MAP_POPULATE`` or not), ``write`` as much; the copy into an
-    existing mapping ~1 ms. Every version rewrites the same spares (:class:`Spares` hands a
+    existing mapping ~1 ms. Every version rewrites the same spares (:class:`~resilient.snapshot.nodestore.Spares` hands a
     writer back the files of its own rank), so after the first versions each write is a copy.
 
     Entries are keyed by inode. A mapping of a live file costs no memory of its own (the

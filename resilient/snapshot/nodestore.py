@@ -198,18 +198,25 @@ class NodeStore:
             pass
 
     def read_committed(self) -> dict[str, int]:
-        """What :meth:`publish_committed` last wrote (empty before the first commit). A read
-        that meets a rewrite in place (half old, half new) is tried again."""
-        got: object = {}
-        for _ in range(3):
+        """What :meth:`publish_committed` last wrote (empty before the first commit).
+
+        A read that meets a rewrite in place may hold half the old text and half the new,
+        which can even parse ("19" → "20" read as "29"): a read counts once the next one
+        gives the same bytes (a few tries; else nothing is shown this time)."""
+        path, last = self.path / COMMITTED, None
+        for _ in range(4):
             try:
-                got = json.loads((self.path / COMMITTED).read_text())
-                break
+                raw = path.read_bytes()
             except OSError:
                 return {}
-            except ValueError:
-                got = {}
-        return {k: v for k, v in got.items() if isinstance(v, int)} if isinstance(got, dict) else {}
+            if raw == last:
+                try:
+                    got = json.loads(raw)
+                except ValueError:
+                    return {}
+                return {k: v for k, v in got.items() if isinstance(v, int)} if isinstance(got, dict) else {}
+            last = raw
+        return {}
 
     # -- contents ---------------------------------------------------------------
     def versions(self) -> list[LocalVersion]:
@@ -341,7 +348,7 @@ class Spares:
         """Move a spare file to ``target`` (in the same store); False if none is left.
         ``like``: the name the file will have (``r00003-p0000.bin``); a spare that had that
         name is taken first, since the writer of that rank most likely still has it mapped
-        (:class:`Mappings`)."""
+        (:class:`~resilient.snapshot.mapping.Mappings`)."""
         try:
             names = os.listdir(self.path)
         except FileNotFoundError:
