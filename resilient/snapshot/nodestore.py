@@ -28,7 +28,6 @@ machine removes every tree whose owner is dead, of its own job
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -45,6 +44,7 @@ from resilient.snapshot.api import SnapshotIncomplete, StorageError
 from resilient.procs import OWNER, owner_alive, owner_record
 from resilient.snapshot.format import crc, parse_version_dir, version_dir
 from resilient.snapshot.mapping import MAPPINGS, mapped
+from resilient.snapshot.storefull import out_of_space
 
 SPARES = ".spare"  # retired data files, rewritten in place by the next writers (see Spares)
 BELL = ".bell"     # the agent's doorbell socket: a rank rings it when a version landed (see Doorbell)
@@ -182,7 +182,7 @@ class NodeStore:
             tmp.write_text(text)
             os.replace(tmp, self.path / COMMITTED)
         except OSError as e:  # else the store is being removed; nobody will read it
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            if out_of_space(e):
                 with contextlib.suppress(OSError):
                     tmp.unlink()
                 self._rewrite_committed(text)
