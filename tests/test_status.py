@@ -49,6 +49,10 @@ def test_status_of_a_running_job_and_of_its_finished_run_dir(corpus, tmp_path, e
         wait_for(lambda: len(events(run, "workers_started")) >= 2, 60, "the restart")
         restarted = events(run, "workers_started")[-1]["time"]
         wait_for(lambda: any(e["time"] > restarted for e in events(run, "step")), 60, "a step after the restart")
+        # ... and what the view is asked to show below: the memory tier's commits lag the steps
+        # (the kill may come before step 3's, and the new workers' first one takes a moment)
+        wait_for(lambda: max((e["step"] for e in events(run, "commit") if e["tier"] == "local"), default=-1) >= 3,
+                 60, "a memory-tier commit of step 3 or later")
         # Hold the job still while it is looked at (the heartbeat timeout is longer than this).
         paused = list(worker_pids(run).values())
         signal_all(paused, signal.SIGSTOP)
