@@ -27,6 +27,35 @@ def reclaim_what_killed_agents_leave():
 
 
 @pytest.fixture(scope="session")
+def attacker():
+    """A second local user without the job's secret (tests/attackutil.py), for the whole
+    session; skips, with the reason, where one cannot be made."""
+    from attackutil import Attacker, attacker_unavailable
+
+    why = attacker_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    user = Attacker.create()
+    try:
+        yield user
+    finally:
+        user.remove()
+
+
+@pytest.fixture
+def public_tmp(attacker):
+    """A directory under /tmp that the attacker can reach (mode 0755; chmod it for more),
+    removed after the test, whatever the attacker left in it."""
+    path = attacker.public_dir()
+    try:
+        yield path
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small byte-level corpus built from the Python standard library."""
     from resilient.gpt.data import prepare
