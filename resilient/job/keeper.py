@@ -36,7 +36,7 @@ import torch
 
 from resilient.events import EventLog
 from resilient.sdc.checksums import local as _local
-from resilient.snapshot import Restored, RetryPolicy, SnapshotReader, Snapshotter
+from resilient.snapshot import Restored, RetryPolicy, Snapshotter
 from resilient.snapshot.api import StorageError
 from resilient.snapshot.config import AUTO, SnapshotConfig
 from resilient.snapshot.interval import HISTORY_KEY, AutoSchedule, Intervals, schedule_group
@@ -78,6 +78,17 @@ class _UploadTap:
         self.events.emit(kind, **fields)
 
 
+def _job_secret(store: StoreInfo | None, run_dir: Path) -> bytes:
+    """The job secret: the agent's (under ``resilient launch``); without an agent (plain
+    ``torchrun``, ``python``) the one the environment names, else ``RUN_DIR/job.secret``
+    (created 0600 by the first process; nodes that share no run dir must be given one)."""
+    if store is not None:
+        return store.secret()
+    from resilient.secret import provide_job_secret
+
+    return provide_job_secret(run_dir).material
+
+
 def durable_url(cfg: SnapshotConfig, run_dir: Path) -> str:
     return cfg.durable_url or (Path(run_dir) / "checkpoints").as_uri()
 
@@ -116,13 +127,15 @@ class StateKeeper:
         self.last_saved = -1
         self.durable_step = -1  # newest step captured for (or restored from) the durable tier
         self.store = StoreInfo.from_env() if cfg.memory_on else None
+        # Every tier signs its versions and restores only those that authenticate (snapshot.auth).
+        self.secret = _job_secret(self.store, run_dir)
         self.memory: Snapshotter | None = None
         if self.store is not None:
             # tmpfs: nothing to compress, little to retry; a full store must not stall the writer.
             self.memory = Snapshotter(
                 self.store.store.url, every=0 if cfg.every == AUTO else cfg.every, events=_ErrorsOnly(events),
                 layout=layout, config_digest=config_digest, compress="none", threads=2, chunk_bytes=cfg.chunk_mib << 20,
-                part_bytes=cfg.part_mib << 20, commit=False,
+                part_bytes=cfg.part_mib << 20, commit=False, secret=self.secret,
                 retry=RetryPolicy(deadline=timedelta(seconds=2), attempts=2))
         self.durable: Snapshotter | None = None
         mark("memory_tier")
@@ -131,7 +144,7 @@ class StateKeeper:
             # One capture feeds both tiers: the durable writer shares the RAM store's buffers.
             self.durable = Snapshotter.from_config(
                 cfg, durable_url(cfg, run_dir), events=self._tap or events, layout=layout,
-                config_digest=config_digest, share_with=self.memory)
+                config_digest=config_digest, share_with=self.memory, secret=self.secret)
         # "auto" intervals: chosen as the job runs, the same on every rank (one all-reduce per choice)
         auto = tuple(t for t in cfg.auto_tiers if (self.memory if t == "memory" else self.durable) is not None)
         self.auto = AutoSchedule(cfg, auto, events, self.rank, schedule_group(cfg, self._world())) if auto else None
@@ -189,10 +202,8 @@ class StateKeeper:
         if self.durable is None or (not self.cfg.resume and max_step is None):
             return None
         t0 = time.perf_counter()
-        durable = SnapshotReader(self.durable.url, self.durable.storage_options, self.durable.retry,
-                                 self.durable.opts.threads * 2)
-        secret = self.store.secret() if self.store is not None else None
-        candidates, readers = tiered_candidates(self.store, durable, self.events, secret)
+        durable = self.durable.reader()
+        candidates, readers = tiered_candidates(self.store, durable, self.events, self.secret)
         on_durable = {c[0] for c in candidates if c[2] == "durable"}   # the same set on every rank
         try:
             if max_step is not None:

@@ -69,7 +69,8 @@ class ChunkRecord:
     Its bytes are ``length`` bytes at byte ``offset`` of ``object`` (a path
     relative to the version directory), row-major, little-endian; after
     decompression they are ``raw_length`` bytes. ``checksum`` covers the
-    stored (possibly compressed) bytes."""
+    stored (possibly compressed) bytes; ``mac`` (``""`` in an unsigned version)
+    authenticates the raw bytes under the job secret (:mod:`resilient.snapshot.auth`)."""
 
     object: str
     offset: int
@@ -79,12 +80,16 @@ class ChunkRecord:
     sizes: tuple[int, ...]
     checksum: str
     compression: str = "none"
+    mac: str = ""
 
     def to_json(self) -> dict:
-        return {"object": self.object, "offset": self.offset, "length": self.length,
-                "raw_length": self.raw_length, "offsets": list(self.offsets),
-                "sizes": list(self.sizes), "checksum": self.checksum,
-                "compression": self.compression}
+        doc = {"object": self.object, "offset": self.offset, "length": self.length,
+               "raw_length": self.raw_length, "offsets": list(self.offsets),
+               "sizes": list(self.sizes), "checksum": self.checksum,
+               "compression": self.compression}
+        if self.mac:
+            doc["mac"] = self.mac
+        return doc
 
 
 @dataclass

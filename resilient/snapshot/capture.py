@@ -126,6 +126,7 @@ class Slot:
     _pairs: tuple = ((), ())
     _pairs_key: tuple = ()
     _pairs_held: list = field(default_factory=list)
+    seals: "ChunkSeals" = field(default_factory=lambda: ChunkSeals())  # this capture's chunk CRCs and MACs
 
     @property
     def idle(self) -> bool:
@@ -156,6 +157,41 @@ class Slot:
         if self.event is not None:
             self.event.synchronize()
             self.event = None
+
+
+class ChunkSeals:
+    """Each chunk's CRC-32C and MAC of one capture, computed once and shared by every writer
+    of it (the node store, the durable tier; the peer push carries them in the rank manifest).
+
+    Why: every tier writes the same captured bytes; each computing its own checksums was one
+    pass over the state per tier. The first writer to reach a chunk computes them (just
+    before it copies the chunk out, while it is in the cache); another writer of the same
+    chunk waits for that result rather than computing it again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[Any, Any] = {}
+        self._busy: dict[Any, threading.Event] = {}
+
+    def get(self, key: Any, compute) -> Any:
+        while True:
+            with self._lock:
+                if key in self._done:
+                    return self._done[key]
+                event = self._busy.get(key)
+                if event is None:
+                    event = self._busy[key] = threading.Event()
+                    break
+            event.wait()  # another writer computes it (if it failed, this one tries)
+        try:
+            value = compute()
+            with self._lock:
+                self._done[key] = value
+            return value
+        finally:
+            with self._lock:
+                self._busy.pop(key, None)
+            event.set()
 
 
 class SlotRing:
@@ -207,6 +243,7 @@ class SlotRing:
                     break
                 self._cond.wait()  # every other slot is still being allocated (preallocate)
             slot.carry, slot.targets = set(slot.targets), set()
+            slot.seals = ChunkSeals()  # a new capture: the old one's CRCs and MACs are not its
             slot.state = "capturing"
         if slot.buffer is None or slot.buffer.numel() < plan.total_bytes or slot.buffer.is_pinned() != pin:
             slot.buffer = torch.empty(max(plan.total_bytes, 1), dtype=torch.uint8, pin_memory=pin)

@@ -46,8 +46,9 @@ from typing import Any
 
 from resilient.snapshot.api import ChunkRecord, Manifest, SnapshotError, SnapshotIncomplete, TensorRecord
 from resilient.snapshot.capture import Slot, SlotRing, chunk_views
+from resilient.snapshot.auth import VersionAuth, report as report_auth
 from resilient.snapshot.format import (
-    MANIFEST_NAME, check_no_overlap, checksum, compress, dtype_name, manifest_from_json, manifest_to_json,
+    MANIFEST_NAME, check_no_overlap, checksum, compress, crc, dtype_name, manifest_from_json, manifest_to_json,
     should_compress, version_dir,
 )
 from resilient.snapshot.nodestore import BELL, SPARES, Doorbell, Spares
@@ -89,8 +90,9 @@ class Uploader:
 
     def __init__(self, fs, root: str, rank: int, world: int, ring: SlotRing, opts: DurableOptions,
                  events: Any, layout: dict, config_digest: str, committer: "Committer | None",
-                 consumer: str = "durable"):
+                 consumer: str = "durable", auth: VersionAuth | None = None):
         self.fs, self.root, self.rank, self.world = fs, root, rank, world
+        self.auth = auth  # signs the rank manifests and tags each chunk (None: unsigned, CRCs only)
         self.consumer = consumer  # its name in the (possibly shared) ring
         self.ring, self.opts, self.events = ring, opts, events
         self.layout, self.config_digest, self.committer = layout, config_digest, committer
@@ -137,6 +139,13 @@ class Uploader:
         """Write one part; each chunk is checksummed (and compressed) just before it is
         written, so checksumming overlaps the kernel's writeback of earlier chunks."""
         records: list[tuple[str, ChunkRecord]] = []
+        adir = obj.split("/", 1)[0]
+        fp = self.auth.fingerprint if self.auth is not None else ""
+
+        def seal(raw: memoryview) -> tuple[int, str]:
+            # The capture's two passes over each chunk, once for every tier (Slot.seals):
+            # its CRC-32C (integrity, checked without the secret) and its GMAC (authenticity).
+            return crc(raw), (self.auth.chunk_mac(slot.step, adir, raw) if self.auth is not None else "")
 
         def payloads():
             records.clear()
@@ -144,12 +153,14 @@ class Uploader:
             for i in idxs:
                 c = slot.plan.chunks[i]
                 data, how = views[i], "none"
+                raw_crc, mac = slot.seals.get((i, fp), lambda: seal(views[i]))
+                check = f"crc32c:{raw_crc:08x}"
                 if should_compress(self.opts.compress, c.dtype, self.remote):
                     packed = compress(data)
                     if len(packed) < 0.97 * len(data):  # only where it pays
-                        data, how = packed, "zstd"
+                        data, how, check = packed, "zstd", checksum(packed)
                 records.append((c.name, ChunkRecord(obj, offset, len(data), c.nbytes, c.box.offsets,
-                                                    c.box.sizes, checksum(data), how)))
+                                                    c.box.sizes, check, how, mac)))
                 offset += len(data)
                 yield data
 
@@ -188,6 +199,8 @@ class Uploader:
                      rank_extras={self.rank: slot.extra}, extra=slot.global_extra if self.rank == 0 else None,
                      created=time.time(), rank=self.rank)
         doc = manifest_to_json(m)
+        if self.auth is not None:
+            doc = self.auth.sign_manifest(doc)
         path = f"{vdir}/{rank_manifest_name(adir, self.rank)}"
         with_retry(lambda: write_object(self.fs, path, [doc], len(doc)), path, self.opts.retry)
         seconds = time.monotonic() - t0
@@ -213,8 +226,12 @@ class Uploader:
 class Committer:
     """Rank 0's thread that turns fully uploaded versions into complete ones."""
 
-    def __init__(self, fs, root: str, world: int, opts: DurableOptions, events: Any, url: str):
+    def __init__(self, fs, root: str, world: int, opts: DurableOptions, events: Any, url: str,
+                 auth: VersionAuth | None = None):
         self.fs, self.root, self.world, self.opts, self.events, self.url = fs, root, world, opts, events, url
+        # Checks each rank manifest's MAC before merging and signs the global manifest: what it
+        # signs must be what the ranks wrote, not what someone else put beside them.
+        self.auth = auth
         self.committed: int | None = None
         self.floor: int | None = None  # retention keeps the newest version at or below it
         self._pending: dict[int, tuple[str, float]] = {}  # step -> (attempt dir, since)
@@ -247,6 +264,8 @@ class Committer:
                         break
                 except Exception as e:
                     self._drop(step)
+                    if isinstance(e, SnapshotError):
+                        report_auth(self.events, e)  # a rank manifest that fails its MAC: auth_failure
                     emit(self.events, "upload_error", step=step, phase="commit",
                          error=f"{type(e).__name__}: {e}", obj=getattr(e, "obj", None))
                     warnings.warn(f"snapshot commit of step {step} failed, training goes on: {e}", RuntimeWarning)
@@ -293,9 +312,17 @@ class Committer:
         for r in range(self.world):
             path = f"{vdir}/{rank_manifest_name(attempt_dir, r)}"
             data = with_retry(lambda: self.fs.cat_file(path), path, self.opts.retry)
-            parts.append(manifest_from_json(data, path))
+            if self.auth is not None:
+                data = self.auth.open_manifest(data, path)
+            part = manifest_from_json(data, path)
+            if (part.rank, part.step, part.attempt) != (r, step, attempt_dir):
+                raise SnapshotError(f"{path}: holds rank {part.rank} of step {part.step} ({part.attempt}), not rank "
+                                    f"{r} of step {step} ({attempt_dir})", path)
+            parts.append(part)
         m = merge_rank_manifests(parts, vdir)
         doc = manifest_to_json(m)
+        if self.auth is not None:
+            doc = self.auth.sign_manifest(doc)
         path = f"{vdir}/{MANIFEST_NAME}"
 
         def put_and_check() -> None:

@@ -206,14 +206,59 @@ def compress(data: Any) -> bytes:
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
 
 
-def decompress(data: Any, raw_length: int, where: str) -> bytes:
+# The most one compressed chunk may inflate to. Writers cut chunks at ``chunk_mib`` (16 MiB
+# by default; a chunk is larger only when one row of its tensor is): a manifest claiming
+# more is refused before anything is allocated, so a small frame cannot make a reader hold
+# gigabytes (a 65 KiB frame of zeros claiming 2 GiB took ckpt verify to 2.4 GB of RSS).
+MAX_INFLATE = 1 << 30
+INFLATE_PIECE = 1 << 20
+
+
+def _inflate_check(data: Any, raw_length: int, where: str) -> None:
     import zstandard
+    if raw_length > MAX_INFLATE:
+        raise SnapshotCorrupt(f"{where}: a compressed chunk claims {raw_length} bytes, more than any writer cuts "
+                              f"({MAX_INFLATE >> 20} MiB at most); the manifest is damaged or hostile", where)
     try:
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_length)
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise SnapshotCorrupt(f"{where}: not a zstd frame ({e})", where) from None
+    if declared not in (-1, raw_length):
+        raise SnapshotCorrupt(f"{where}: the zstd frame holds {declared} bytes, the manifest says {raw_length}", where)
+
+
+def inflate_pieces(data: Any, raw_length: int, where: str, piece: int = INFLATE_PIECE):
+    """The decompressed bytes of one zstd frame, ``piece`` bytes at a time (a bounded buffer,
+    reused: consume each before the next), checked to add up to exactly ``raw_length``."""
+    import zstandard
+    _inflate_check(data, raw_length, where)
+    buf = bytearray(min(piece, max(raw_length, 1)) + 1)  # one byte more: output past raw_length is seen
+    got = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as r:
+            while True:
+                n = r.readinto(buf)
+                if not n:
+                    break
+                got += n
+                if got > raw_length:
+                    break
+                yield memoryview(buf)[:n]
     except zstandard.ZstdError as e:
         raise SnapshotCorrupt(f"{where}: zstd frame does not decode ({e})", where) from None
-    if len(out) != raw_length:
-        raise SnapshotCorrupt(f"{where}: decompressed to {len(out)} bytes, expected {raw_length}", where)
+    if got != raw_length:
+        raise SnapshotCorrupt(f"{where}: decompressed to {f'more than {raw_length}' if got > raw_length else got} "
+                              f"bytes, expected {raw_length}", where)
+
+
+def decompress(data: Any, raw_length: int, where: str) -> bytearray:
+    """One zstd frame's bytes, into a buffer of ``raw_length`` allocated only after the claim
+    was checked (:data:`MAX_INFLATE`, the frame's own content size); never more."""
+    out = bytearray(raw_length)
+    at = 0
+    for p in inflate_pieces(data, raw_length, where):
+        out[at:at + len(p)] = p
+        at += len(p)
     return out
 
 
@@ -266,8 +311,9 @@ def manifest_to_json(m: Manifest) -> bytes:
 
     tensors = ",".join(
         _tensor_head(n, tuple(t.shape), t.dtype) + ",".join(
-            '{"object":%s,%s,"checksum":%s}' % (name(c.object), _chunk_fixed(
-                c.offset, c.length, c.raw_length, tuple(c.offsets), tuple(c.sizes), c.compression), name(c.checksum))
+            '{"object":%s,%s,"checksum":%s%s}' % (name(c.object), _chunk_fixed(
+                c.offset, c.length, c.raw_length, tuple(c.offsets), tuple(c.sizes), c.compression), name(c.checksum),
+                ',"mac":"%s"' % c.mac if c.mac else "")
             for c in t.chunks) + "]}"
         for n, t in m.tensors.items())
     body = json.dumps(head, separators=(",", ":"), allow_nan=False)
@@ -291,6 +337,13 @@ def _need(doc: dict, key: str, types: Any, where: str) -> Any:
         raise SnapshotCorrupt(f"{where}: manifest lacks field {key!r}; it is truncated or not a resilient manifest", where)
     value = doc[key]
     if not isinstance(value, types) or (isinstance(value, bool) and types is int):
+        raise SnapshotCorrupt(f"{where}: manifest field {key!r} has type {type(value).__name__}", where)
+    return value
+
+
+def _optional_str(doc: dict, key: str, where: str) -> str:
+    value = doc.get(key, "")
+    if not isinstance(value, str):
         raise SnapshotCorrupt(f"{where}: manifest field {key!r} has type {type(value).__name__}", where)
     return value
 
@@ -353,7 +406,7 @@ def rank_manifest_boxes(doc: dict, where: str) -> Manifest:
                     raise SnapshotCorrupt(f"{where}: a chunk of {name!r} ({list(offsets)}+{list(sizes)}) lies "
                                           f"outside its shape {list(shape)}", where)
                 chunks.append(ChunkRecord(c["object"], c["offset"], c["length"], c["raw_length"], offsets, sizes,
-                                          c["checksum"], c["compression"]))
+                                          c["checksum"], c["compression"], c.get("mac", "")))
             tensors[name] = TensorRecord(name, shape, t["dtype"], chunks)
         return Manifest(step=doc["step"], world=doc["world"], layout=doc["layout"], attempt=doc["attempt"],
                         config_digest=doc["config_digest"], tensors=tensors, values=doc["values"],
@@ -374,7 +427,7 @@ def _chunk_from_json(doc: Any, shape: tuple[int, ...], itemsize: int, name: str,
         object=_need(doc, "object", str, where), offset=_need(doc, "offset", int, where),
         length=_need(doc, "length", int, where), raw_length=_need(doc, "raw_length", int, where),
         offsets=offsets, sizes=sizes, checksum=_need(doc, "checksum", str, where),
-        compression=_need(doc, "compression", str, where))
+        compression=_need(doc, "compression", str, where), mac=_optional_str(doc, "mac", where))
     if c.offset < 0 or c.length < 0 or ".." in c.object.split("/") or c.object.startswith("/"):
         raise SnapshotCorrupt(f"{where}: a chunk of {name!r} has a bad object path or range", where)
     if c.compression not in ("none", "zstd"):

@@ -23,8 +23,9 @@ from resilient.snapshot.api import (
     ChunkRecord, Manifest, NoSnapshotFound, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, SnapshotMismatch,
     TensorRecord,
 )
+from resilient.snapshot.auth import VersionAuth, check_chunk
 from resilient.snapshot.boxes import Box, copy_overlap
-from resilient.snapshot.format import MANIFEST_NAME, decompress, dtype_from_name, manifest_from_json, verify, version_dir
+from resilient.snapshot.format import MANIFEST_NAME, decompress, dtype_from_name, manifest_from_json, version_dir
 from resilient.snapshot.retention import list_versions
 from resilient.snapshot.storage import RetryPolicy, open_url, read_range, read_range_into, with_retry
 
@@ -37,14 +38,19 @@ class VersionInfo:
 
 
 class SnapshotReader:
-    """Read-only access to the versions under an fsspec URL."""
+    """Read-only access to the versions under an fsspec URL.
+
+    ``secret`` (the job secret): every manifest's MAC is checked before it is parsed and
+    every chunk's before its bytes are used (:mod:`.auth`); a version without MACs is
+    refused (:class:`~.auth.SnapshotUnsigned`). Without it, only the CRCs are checked."""
 
     def __init__(self, url: str, storage_options: dict | None = None, retry: RetryPolicy = RetryPolicy(),
-                 threads: int = 8):
+                 threads: int = 8, secret=None):
         self.url = url
         self.fs, self.root = open_url(url, storage_options)
         self.retry = retry
         self.threads = threads
+        self.auth = secret if isinstance(secret, VersionAuth) or secret is None else VersionAuth(secret)
 
     def versions(self) -> list[VersionInfo]:
         """Every version directory, oldest first; ``complete`` = its manifest exists."""
@@ -69,7 +75,7 @@ class SnapshotReader:
             data = with_retry(lambda: self.fs.cat_file(path), path, self.retry)
         except FileNotFoundError:
             raise SnapshotIncomplete(f"{path}: no manifest; step {step} is not a complete version", path) from None
-        m = manifest_from_json(data, path)
+        m = manifest_from_json(self.auth.open_manifest(data, path) if self.auth is not None else data, path)
         if m.step != step:
             raise SnapshotCorrupt(f"{path}: manifest says step {m.step}, its directory says {step}", path)
         return m
@@ -85,17 +91,17 @@ class SnapshotReader:
         path = self.object_path(manifest, chunk)
         where = f"{path}@{chunk.offset}+{chunk.length} ({tensor.name})"
         data = self._verified(lambda: read_range(self.fs, path, chunk.offset, chunk.offset + chunk.length),
-                              path, chunk, where)
+                              path, manifest.step, chunk, where)
         return decode_chunk(data, tensor, chunk, where)
 
-    def _verified(self, read, path: str, chunk: ChunkRecord, where: str):
-        """``read()`` (with storage retries) until its bytes match the chunk's checksum: a bit
-        flipped in transit reads right the second time; one on disk doesn't (raises)."""
+    def _verified(self, read, path: str, step: int, chunk: ChunkRecord, where: str):
+        """``read()`` (with storage retries) until its bytes check out (:func:`open_chunk`): a bit
+        flipped in transit reads right the second time; one on disk doesn't (raises). Returns
+        the raw (decompressed) bytes."""
         for attempt in (1, 2):
             data = with_retry(read, path, self.retry)
             try:
-                verify(data, chunk.checksum, where)
-                return data
+                return open_chunk(self.auth, step, chunk, data, where)
             except SnapshotCorrupt:
                 if attempt == 2:
                     raise
@@ -115,7 +121,7 @@ class SnapshotReader:
             read_range_into(self.fs, path, chunk.offset, view)
             return view
 
-        self._verified(read, path, chunk, where)
+        self._verified(read, path, manifest.step, chunk, where)
         return True
 
     def verify(self, manifest: Manifest) -> list[SnapshotError]:
@@ -162,11 +168,15 @@ def chunk_view(chunk: ChunkRecord, out: torch.Tensor) -> memoryview | None:
     return memoryview(out.reshape(-1).view(torch.uint8).numpy()) if chunk.length else memoryview(bytearray())
 
 
+def open_chunk(auth: VersionAuth | None, step: int, chunk: ChunkRecord, stored, where: str):
+    """A chunk's stored bytes checked (CRC, and its MAC when ``auth``: :func:`~.auth.check_chunk`)
+    and decompressed (bounded by its ``raw_length``): its raw bytes, safe to use."""
+    return check_chunk(auth, step, chunk, stored, where, lambda b: decompress(b, chunk.raw_length, where))
+
+
 def decode_chunk(data: bytes, tensor: TensorRecord, chunk: ChunkRecord, where: str) -> torch.Tensor:
-    """Verified stored bytes of ``chunk`` → a CPU tensor of shape ``chunk.sizes`` (decompressed, size-checked)."""
-    if chunk.compression == "zstd":
-        data = decompress(data, chunk.raw_length, where)
-    elif len(data) != chunk.raw_length:
+    """Checked raw bytes of ``chunk`` (:func:`open_chunk`) → a CPU tensor of shape ``chunk.sizes``."""
+    if len(data) != chunk.raw_length:
         raise SnapshotCorrupt(f"{where}: {len(data)} bytes, expected {chunk.raw_length}", where)
     dtype = dtype_from_name(tensor.dtype, where)
     n = 1

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from resilient.snapshot.api import (
     Manifest, Restored, SnapshotError, SnapshotMismatch,
 )
+from resilient.snapshot.auth import report as report_auth
 from resilient.snapshot.boxes import Box, local_pieces
 from resilient.snapshot.capture import ALIGN
 from resilient.snapshot.durable import emit
@@ -157,6 +158,7 @@ def restore_candidates(candidates: list[tuple[int, Any, str]], state: dict, *, r
                 copies, assigns, nbytes = _stage(reader, m, state, config_digest, strict, _Staging(arena), direct)
         except SnapshotError as e:
             err = e
+            report_auth(events, e)  # forged or unsigned: an auth_failure besides the fallback
         t_staged = time.monotonic()
         if _all_ok(err is None):
             t_agreed = time.monotonic()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.snapshot.api import Restored
+from resilient.snapshot.auth import VersionAuth
 from resilient.snapshot.config import SnapshotConfig
 from resilient.snapshot.boxes import replica_claims, replicas_left_to_others
 from resilient.snapshot.capture import SlotRing, build_plan, state_signature
@@ -69,6 +70,10 @@ class Snapshotter:
     - ``share_with``: another Snapshotter whose host buffers this one shares, so
       one capture can feed both (``other.save(..., also=[this])``): the node's
       RAM store and the durable tier write the same copy of the state.
+    - ``secret``: the job secret (:mod:`resilient.secret`): versions are signed with it
+      and a restore loads only versions that authenticate (:mod:`.auth`). None: the one
+      the environment names (``$RESILIENT_JOB_SECRET_FILE``, ``$RESILIENT_JOB_SECRET``),
+      if any; without one, versions are unsigned and restore checks CRCs only.
     """
 
     def __init__(self, url: str, *, every: int = 1, seconds: float = 0.0, events: Any = None,
@@ -77,7 +82,7 @@ class Snapshotter:
                  part_bytes: int = 64 << 20, chunk_bytes: int = 16 << 20,
                  storage_options: dict | None = None, retry: RetryPolicy = RetryPolicy(),
                  commit_timeout: timedelta = timedelta(minutes=30), overlap: bool = False,
-                 commit: bool = True, share_with: "Snapshotter | None" = None):
+                 commit: bool = True, share_with: "Snapshotter | None" = None, secret: Any = None):
         self.url, self.every, self.seconds, self.events = url, every, seconds, events
         self.rank, self.world = _rank_world()
         if seconds > 0 and self.world > 1:
@@ -92,6 +97,11 @@ class Snapshotter:
         self.opts = DurableOptions(threads=threads, compress=compress, keep_last=keep_last,
                                    keep_every=keep_every, part_bytes=part_bytes, chunk_bytes=chunk_bytes,
                                    commit_timeout=commit_timeout, retry=retry)
+        if secret is None:
+            from resilient.secret import resolve_secret
+
+            secret = resolve_secret()
+        self.auth = VersionAuth(secret) if secret is not None else None
         fs, root = open_url(url, storage_options)
         if share_with is not None and share_with.url == url:
             raise ValueError(f"two Snapshotters sharing captures must write to different URLs, not both to {url}")
@@ -99,9 +109,10 @@ class Snapshotter:
         if share_with is not None:
             self._ring.add_consumer()
         self._consumer = url  # this Snapshotter's name in the (possibly shared) ring
-        self._committer = Committer(fs, root, self.world, self.opts, events, url) if self.rank == 0 and commit else None
+        self._committer = (Committer(fs, root, self.world, self.opts, events, url, self.auth)
+                           if self.rank == 0 and commit else None)
         self._uploader = Uploader(fs, root, self.rank, self.world, self._ring, self.opts, events,
-                                  self.layout, config_digest, self._committer, self._consumer)
+                                  self.layout, config_digest, self._committer, self._consumer, self.auth)
         self._plan = None
         self._sig: tuple = ((), ())
         self._held: list[torch.Tensor] = []
@@ -225,10 +236,14 @@ class Snapshotter:
         version); falls back to older versions when the newest is corrupt.
         ``direct``: ``state`` holds nothing worth keeping (a fresh process):
         read into it without staging (:func:`~.restore.restore_candidates`)."""
-        reader = SnapshotReader(self.url, self.storage_options, self.retry, self.opts.threads * 2)
+        reader = self.reader()
         return restore_state(reader, state, rank=self.rank, config_digest=self.config_digest,
                              strict=strict, events=self.events, layout=self.layout,
                              arena=None if direct else self.staging(), direct=direct)
+
+    def reader(self) -> SnapshotReader:
+        """A reader of this writer's URL that checks what this writer signs (the same secret)."""
+        return SnapshotReader(self.url, self.storage_options, self.retry, self.opts.threads * 2, secret=self.auth)
 
     def staging(self) -> torch.Tensor | None:
         """A host buffer of this writer's ring (after :meth:`prepare`) that a restore may stage

@@ -33,12 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilient.snapshot.api import Manifest, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
+from resilient.snapshot.api import Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
+from resilient.snapshot.auth import VersionAuth, report as report_auth
 from resilient.snapshot.durable import emit, merge_rank_manifests
-from resilient.snapshot.format import manifest_from_json, verify, version_dir
+from resilient.snapshot.format import manifest_from_json, version_dir
 from resilient.snapshot.nodestore import NodeStore, rank_of
 from resilient.snapshot.peer import PeerClient, PeerError
-from resilient.snapshot.reader import SnapshotReader, chunk_view, decode_chunk
+from resilient.snapshot.reader import SnapshotReader, chunk_view, decode_chunk, open_chunk
 
 STORE_ENV = "RESILIENT_STORE"
 
@@ -168,6 +169,7 @@ class MemoryReader:
     def __init__(self, plan: dict, info: StoreInfo, secret: bytes, events: Any = None,
                  timeout: timedelta = timedelta(seconds=30)):
         self.plan, self.info, self.secret, self.events, self.timeout = plan, info, secret, events, timeout
+        self.auth = VersionAuth(secret)
         self.url = f"memory://{info.run_id}/step-{plan['step']}"
         self.store = info.store
         self._local = threading.local()
@@ -219,6 +221,7 @@ class MemoryReader:
                 # every skipped copy is reported: a damaged one (CRC), and a short or
                 # missing one, which is as bad for this restore
                 last = e if isinstance(e, SnapshotError) else SnapshotIncomplete(str(e), rel)
+                report_auth(self.events, last)  # a forged copy: auth_failure, then the next holder
                 emit(self.events, "restore_fallback", step=self.plan["step"], url=self.url, error=str(last),
                      error_type=type(last).__name__, obj=f"{holder}:{rel}", holder=holder, copy_skipped=True,
                      tier="local" if holder == self.info.node else "peer")
@@ -230,17 +233,25 @@ class MemoryReader:
             parts = []
             for r in range(self.plan["world"]):
                 rel = f"{vdir}/{att}/r{r:05d}.json"
-                parts.append(self._from_holders(r, rel, lambda b, rel=rel: manifest_from_json(b, rel)))
+                parts.append(self._from_holders(r, rel, lambda b, rel=rel, r=r: self._rank_manifest(b, rel, r)))
             self._manifest = merge_rank_manifests(parts, self.url)
         return self._manifest
+
+    def _rank_manifest(self, data: bytes, rel: str, rank: int) -> Manifest:
+        """A holder's copy of a rank manifest, authenticated, and the one the commit named: a
+        genuine manifest of another rank or attempt put in its place is refused too."""
+        m = manifest_from_json(self.auth.open_manifest(data, f"{self.url}/{rel}"), rel)
+        if (m.rank, m.attempt, m.step) != (rank, self.plan["attempt"], self.plan["step"]):
+            raise SnapshotCorrupt(f"{self.url}/{rel}: holds rank {m.rank} of {m.attempt} step {m.step}, not rank "
+                                  f"{rank} of {self.plan['attempt']} step {self.plan['step']}", rel)
+        return m
 
     def read_chunk(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord) -> torch.Tensor:
         rel = f"{version_dir(manifest.step)}/{chunk.object}"
         where = f"{self.url}/{chunk.object}@{chunk.offset}+{chunk.length} ({tensor.name})"
 
         def check(data: bytes) -> torch.Tensor:
-            verify(data, chunk.checksum, where)
-            return decode_chunk(data, tensor, chunk, where)
+            return decode_chunk(open_chunk(self.auth, manifest.step, chunk, data, where), tensor, chunk, where)
 
         return self._from_holders(rank_of(rel), rel, check, chunk.offset, chunk.length)
 
@@ -258,7 +269,7 @@ class MemoryReader:
         where = f"{self.url}/{chunk.object}@{chunk.offset}+{chunk.length} ({tensor.name})"
 
         def check(data: bytes | memoryview) -> bool:
-            verify(data, chunk.checksum, where)
+            open_chunk(self.auth, manifest.step, chunk, data, where)
             if data is not view:      # a peer's copy
                 view[:] = data
             return True
