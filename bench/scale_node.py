@@ -34,6 +34,7 @@ from typing import Any
 from resilient.agent.membership import NodeRegistry, RegistryReader, exchange_node_ids
 from resilient.agent.quarantine import Quarantine
 from resilient.snapshot.api import ChunkRecord, Manifest, TensorRecord
+from resilient.snapshot.auth import VersionAuth
 from resilient.snapshot.format import checksum, crc, manifest_to_json, version_dir
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions
 from resilient.snapshot.nodestore import Doorbell, NodeStore
@@ -42,20 +43,23 @@ from resilient.snapshot.peer import PeerServer
 COLS = 4
 
 
-def write_rank(store: NodeStore, step: int, attempt: str, rank: int, world: int) -> None:
+def write_rank(store: NodeStore, step: int, attempt: str, rank: int, world: int, secret) -> None:
     """Rank ``rank``'s part and manifest of version ``step``: row ``rank`` of a ``(world, COLS)``
-    float32 tensor, so the world's manifests tile it exactly (the replicator checks that)."""
+    float32 tensor, so the world's manifests tile it exactly (the replicator checks that),
+    signed with the job ``secret`` as a worker signs it (the replicator spreads nothing else)."""
+    auth = VersionAuth(secret)
     data = struct.pack(f"<{COLS}f", *(float(rank * COLS + c) for c in range(COLS)))
     obj = f"{attempt}/r{rank:05d}-p0000.bin"
     for rel, blob in ((f"{version_dir(step)}/{obj}", data),):
         w = store.writer(rel)
         w.write(blob)
         w.commit(len(blob), crc(blob))
-    chunk = ChunkRecord(obj, 0, len(data), len(data), (rank, 0), (1, COLS), checksum(data))
+    chunk = ChunkRecord(obj, 0, len(data), len(data), (rank, 0), (1, COLS), checksum(data),
+                        mac=auth.chunk_mac(step, attempt, data))
     m = Manifest(step=step, world=world, layout={"dp": world}, config_digest="scale", attempt=attempt,
                  tensors={"w": TensorRecord("w", (world, COLS), "float32", [chunk])}, rank_extras={rank: None},
                  created=time.time(), rank=rank)
-    doc = manifest_to_json(m)
+    doc = auth.sign_manifest(manifest_to_json(m))
     w = store.writer(f"{version_dir(step)}/{attempt}/r{rank:05d}.json")
     w.write(doc)
     w.commit(len(doc), crc(doc))
@@ -96,6 +100,7 @@ class SimNode:
         self.keyed = isinstance(self.handler, KeyedRendezvousHandler)
         parts = self.handler if self.keyed else self.handler._state_holder._backend
         self.client, self.rdzv_lease, secret = parts.client, parts.lease, parts.secret
+        self.secret = secret
         Quarantine(self.client, cfg["run_id"], secret).refuse_if_quarantined(name, cfg["endpoint"])
         self.registry = NodeRegistry(self.client, cfg["run_id"], name, domain,
                                      timedelta(seconds=float(cfg["conf"].get("lease_ttl", 10))), secret)
@@ -170,7 +175,7 @@ class SimNode:
                 "round": self.round, "joins": joins}
 
     def version(self, step: int) -> dict:
-        write_rank(self.store, step, f"sim{self.round}-{self.round:06d}", self.rank, self.world)
+        write_rank(self.store, step, f"sim{self.round}-{self.round:06d}", self.rank, self.world, self.secret)
         Doorbell.ring(self.replicator._bell.path)  # as a worker does after writing a version
         return {"node": self.name}
 

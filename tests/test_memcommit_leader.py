@@ -64,7 +64,7 @@ class Fleet:
         """Each node of ``ranks`` writes its ranks of ``step`` and rings its doorbell, as workers do."""
         for n, rs in ranks.items():
             for r in rs:
-                write_rank(self.stores[n], step, attempt, r, world)
+                write_rank(self.stores[n], step, attempt, r, world, SECRET)
             Doorbell.ring(self.reps[n]._bell.path)
 
     def version(self, step: int, attempt: str, ranks: dict[str, set[int]], world: int) -> None:
@@ -149,11 +149,11 @@ def test_leader_lost_mid_commit_then_the_next_group_commits(fleet):
     assert f.commit(1)
     # step 2: b and c report, a gathers (c's report is what it still waits for)... and dies
     for n in ("a", "b"):
-        write_rank(f.stores[n], 2, "t0-000001", min(ranks[n]), 3)
+        write_rank(f.stores[n], 2, "t0-000001", min(ranks[n]), 3, SECRET)
         Doorbell.ring(f.reps[n]._bell.path)
     assert f.reps["b"].flush(timedelta(seconds=30))
     f.kill("a")
-    write_rank(f.stores["c"], 2, "t0-000001", 2, 3)
+    write_rank(f.stores["c"], 2, "t0-000001", 2, 3, SECRET)
     Doorbell.ring(f.reps["c"]._bell.path)
     assert f.reps["c"].flush(timedelta(seconds=30))
     assert not f.commit(2)

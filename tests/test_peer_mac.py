@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from resilient.secret import JobSecret
-from resilient.snapshot.peer import PIECE, PeerClient, PeerError, PeerServer, PeerTampered, _Channel
+from resilient.snapshot.peer import PIECE, TAG, PeerClient, PeerError, PeerServer, PeerTampered, _Channel
 
 REL = "step-000000000007/abc123-000001/r00003-p0000.bin"
 SECRET = bytes(range(32))  # the peer_server fixture's (conftest.py)
@@ -95,8 +95,8 @@ def test_a_flipped_bit_in_a_put_is_caught_and_nothing_is_stored(peer_server, whe
     assert ok is None and store.read(REL) == PAYLOAD
     store.file(REL).unlink()
     total = counts["c2s"]
-    payload_at = total - 32 - len(PAYLOAD)
-    offset = {"header": payload_at - 40, "payload start": payload_at, "payload end": total - 33,
+    payload_at = total - TAG - len(PAYLOAD)
+    offset = {"header": payload_at - 40, "payload start": payload_at, "payload end": total - TAG - 1,
               "tag": total - 1}[where]
     _, err = _exchange(srv, "put", "c2s", offset)
     assert isinstance(err, PeerError)
@@ -114,8 +114,8 @@ def test_a_flipped_bit_in_a_get_is_caught(peer_server, where):
     counts, got = _exchange(srv, "get")
     assert got == PAYLOAD
     total = counts["s2c"]
-    payload_at = total - 32 - len(PAYLOAD)
-    offset = {"header": payload_at - 40, "payload start": payload_at, "payload end": total - 33,
+    payload_at = total - TAG - len(PAYLOAD)
+    offset = {"header": payload_at - 40, "payload start": payload_at, "payload end": total - TAG - 1,
               "tag": total - 1}[where]
     _, err = _exchange(srv, "get", "s2c", offset)
     assert isinstance(err, PeerError), err
@@ -137,7 +137,7 @@ def test_frames_cannot_be_replayed_from_another_connection_or_reordered():
         sender.send({"op": "get", "path": REL})
         sender.send({"op": "put", "path": REL, "size": 3, "crc": 0}, b"abc")
         recorded = b.recv(65536)
-        first_len = 4 + int.from_bytes(recorded[:4], "big") + 32
+        first_len = 4 + int.from_bytes(recorded[:4], "big") + TAG
         header1, header2_and_piece = recorded[:first_len], recorded[first_len:]
         # ...do not verify on another connection (other nonces: another key)
         _, other_receiver, c, d = _pair(secret, b"C" * 32, b"S" * 32)

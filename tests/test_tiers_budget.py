@@ -183,7 +183,7 @@ def test_a_rank_rings_the_agents_doorbell_after_each_version(store):
         assert bell.sock is not None
         assert not bell.wait(timedelta(milliseconds=50))  # nothing landed yet
         Doorbell.ring(store.path / "missing.bell")  # a ring nobody hears is not an error
-        snap = Snapshotter(store.url, every=1, compress="none", commit=False)
+        snap = Snapshotter(store.url, every=1, compress="none", commit=False, secret=SECRET)
         try:
             snap.save(1, {"w": torch.arange(10.0)})
             assert snap.wait()

@@ -67,7 +67,7 @@ def _assert_same(target: dict, original: dict) -> None:
 def test_corrupt_peer_copy_is_skipped_for_another(tmp_path, damage):
     with _nodes(tmp_path, ["writer", "b", "c", "reader"]) as (stores, servers):
         original = _state(1)
-        with Snapshotter(stores["writer"].url, commit=False, compress="none", chunk_bytes=2048) as snap:
+        with Snapshotter(stores["writer"].url, commit=False, secret=SECRET, compress="none", chunk_bytes=2048) as snap:
             snap.save(5, original, extra={"rng": None}, global_extra={"step": 5}, force=True)
         (v,) = stores["writer"].versions()
         files = stores["writer"].rank_files(v.step, v.attempt, 0)
@@ -100,7 +100,7 @@ def test_corrupt_local_copy_read_straight_into_the_state_is_replaced_by_a_peers(
     there is caught in place, reported, and a peer's good copy written over it."""
     with _nodes(tmp_path, ["reader", "c"]) as (stores, servers):
         original = _state(5)
-        with Snapshotter(stores["reader"].url, commit=False, compress="none", chunk_bytes=2048) as snap:
+        with Snapshotter(stores["reader"].url, commit=False, secret=SECRET, compress="none", chunk_bytes=2048) as snap:
             snap.save(5, original, extra={"rng": None}, global_extra={"step": 5}, force=True)
         (v,) = stores["reader"].versions()
         files = stores["reader"].rank_files(v.step, v.attempt, 0)
@@ -136,7 +136,7 @@ def test_every_copy_corrupt_falls_back_to_durable(tmp_path, direct):
         with Snapshotter(durable_url, compress="none") as d:
             d.save(4, original, extra={"rng": None}, global_extra={"step": 4}, force=True)
         newer = _state(4)
-        with Snapshotter(stores["writer"].url, commit=False, compress="none") as snap:
+        with Snapshotter(stores["writer"].url, commit=False, secret=SECRET, compress="none") as snap:
             snap.save(5, newer, extra={"rng": None}, global_extra={"step": 5}, force=True)
         (v,) = stores["writer"].versions()
         _flip_byte(stores["writer"].file(stores["writer"].rank_files(5, v.attempt, 0)[0]), -1, 1)

@@ -20,6 +20,7 @@ import torch
 from resilient.etcd.testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.secret import JobSecret
+from resilient.snapshot.auth import VersionAuth
 from resilient.snapshot.api import ChunkRecord, Manifest, SnapshotCorrupt, TensorRecord
 from resilient.snapshot.format import checksum, crc, manifest_to_json, version_dir
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions, commit_key
@@ -30,6 +31,7 @@ from resilient.snapshot.tiers import MemoryReader, StoreInfo
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 SECRET = JobSecret(b"u" * 48)
+AUTH = VersionAuth(SECRET)  # the workers sign what they write: the replicator spreads nothing else
 ATTEMPT = "t0-000001"
 WORLD = 2
 ROWS = 4
@@ -55,11 +57,12 @@ def write_rank(store: NodeStore, step: int, rank: int, overlap: bool) -> None:
     data = torch.arange(first * 3, (first + rows) * 3, dtype=torch.float32).numpy().tobytes()
     obj = f"{ATTEMPT}/r{rank:05d}-p0000.bin"
     _put(store, f"{version_dir(step)}/{obj}", data)
-    chunk = ChunkRecord(obj, 0, len(data), len(data), (first, 0), (rows, 3), checksum(data))
+    chunk = ChunkRecord(obj, 0, len(data), len(data), (first, 0), (rows, 3), checksum(data),
+                        mac=AUTH.chunk_mac(step, ATTEMPT, data))
     m = Manifest(step=step, world=WORLD, layout={"dp": WORLD}, config_digest="test", attempt=ATTEMPT,
                  tensors={"w": TensorRecord("w", (ROWS, 3), "float32", [chunk])}, rank_extras={rank: None},
                  created=time.time(), rank=rank)
-    _put(store, f"{version_dir(step)}/{ATTEMPT}/r{rank:05d}.json", manifest_to_json(m))
+    _put(store, f"{version_dir(step)}/{ATTEMPT}/r{rank:05d}.json", AUTH.sign_manifest(manifest_to_json(m)))
 
 
 def commit_errors(log: EventLog) -> list[dict]:
@@ -160,7 +163,7 @@ def test_what_the_snapshotter_writes_commits(client, tmp_path):
         rep.set_workers({0}, 1)
         state = {"w": torch.randn(300, 7), "scalar": torch.tensor(3.0), "empty": torch.zeros(0, 4),
                  "half": torch.randn(40, dtype=torch.bfloat16), "ids": torch.arange(9), "lr": 0.1}
-        with Snapshotter(store.url, commit=False, compress="none", chunk_bytes=4000, part_bytes=30000) as snap:
+        with Snapshotter(store.url, commit=False, secret=SECRET, compress="none", chunk_bytes=4000, part_bytes=30000) as snap:
             for step in (1, 2):
                 snap.save(step, state)
                 assert snap.wait()

@@ -72,6 +72,7 @@ from typing import Any, Callable
 from resilient.errors import ConfigError
 from resilient.secret import COMMIT, HOLDS, JobSecret, Unauthentic, read_records, report_unauthentic
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete
+from resilient.snapshot.auth import VersionAuth, report as report_auth
 from resilient.snapshot.durable import merge_rank_manifests
 from resilient.snapshot.format import object_crcs, rank_manifest_boxes, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
@@ -148,6 +149,7 @@ class Replicator(LeaderCommit):
                  nodes: Callable[[], dict[str, dict] | None], opts: ReplicatorOptions, events: Any):
         self.store, self.client, self.run_id, self.node = store, client, run_id, node
         self.secret, self.nodes, self.opts, self.events = JobSecret.of(secret), nodes, opts, events
+        self.auth = VersionAuth(self.secret)
         self.local_ranks: frozenset[int] = frozenset()
         self.world = 0
         self.done: int = -1                 # newest step handled
@@ -321,6 +323,12 @@ class Replicator(LeaderCommit):
         each etcd write here is CPU on a host that trains, every step."""
         mine = sorted(self.local_ranks & v.ranks)
         world = self.world
+        try:  # what this node's workers signed, or nothing: a manifest put in their place is not spread
+            docs = {r: self._own_manifest(v, r) for r in mine}
+        except SnapshotError as e:
+            report_auth(self.events, e)
+            self._emit("upload_error", step=v.step, phase="replicate", obj=e.obj, error=f"{type(e).__name__}: {e}")
+            return
         leads = self.opts.protocol == "leader" and self._server is not None and self._leads(v.attempt)
         if leads:
             self._aim(v)  # the followers learn it now and push their replicas while we push ours
@@ -335,7 +343,7 @@ class Replicator(LeaderCommit):
                 if sum(1 for n in holders[mine[0]] if n != self.node) >= k:
                     break
                 try:
-                    sent += self._push(peer, others[peer]["store"], v, mine, parsed)
+                    sent += self._push(peer, others[peer]["store"], v, mine, parsed, docs)
                 except (PeerError, SnapshotError, OSError) as e:
                     self._drop_client(peer)
                     self._nodes_at = 0.0  # a peer failed: look at the registry afresh next time
@@ -357,8 +365,7 @@ class Replicator(LeaderCommit):
             return
         doc = {"node": self.node, "step": v.step, "attempt": v.attempt, "world": world,
                "holders": {str(r): h for r, h in holders.items()},
-               "manifests": {str(r): self.store.read(f"{version_dir(v.step)}/{v.attempt}/r{r:05d}.json").decode()
-                             for r in mine}}
+               "manifests": {str(r): docs[r].decode() for r in mine}}
         if leads:
             merged, manifests = self._gather(v, doc, world)
             if merged is not None:
@@ -399,8 +406,15 @@ class Replicator(LeaderCommit):
         if c is not None:
             c.close()
 
+    def _own_manifest(self, v: LocalVersion, rank: int) -> bytes:
+        """A rank manifest of this node's workers, read from the store and authenticated."""
+        rel = f"{version_dir(v.step)}/{v.attempt}/r{rank:05d}.json"
+        doc = self.store.read(rel)
+        self.auth.open_manifest(doc, f"{self.store.path}/{rel}")
+        return doc
+
     def _push(self, peer: str, address: str, v: LocalVersion, ranks: list[int],
-              parsed: dict[int, dict] | None = None) -> int:
+              parsed: dict[int, dict] | None = None, docs: dict[int, bytes] | None = None) -> int:
         """Each rank's parts, then its manifest (which marks the rank whole on the peer).
         A part goes out with the CRC its chunks had when captured (from the manifest), so
         a copy damaged in this store is refused by the peer instead of replicated.
@@ -409,7 +423,7 @@ class Replicator(LeaderCommit):
         sent, parsed = 0, {} if parsed is None else parsed
         for r in ranks:
             *parts, mrel = self.store.rank_files(v.step, v.attempt, r)
-            doc = self.store.read(mrel)
+            doc = docs[r] if docs is not None and r in docs else self.store.read(mrel)
             if r not in parsed:
                 try:
                     parsed[r] = json.loads(doc)

@@ -10,17 +10,19 @@ process without the secret can neither read nor write a store, and a client
 never takes bytes from a server that cannot prove membership.
 
 Integrity in flight: after the handshake every frame (each request and reply
-header, and each ``PIECE`` of a payload) is followed by an HMAC-SHA256 tag
-under a per-connection key (derived from the secret and both nonces) over the
-frame, its direction and its sequence number, so a frame cannot be altered,
-replayed on another connection, reordered or cut without the receiver
-noticing; a receiver drops the connection at the first bad tag (a ``put`` is
-then not stored, a ``get`` fails and the reader tries another holder). Cost:
-one HMAC-SHA256 pass per byte on each side, 0.6-0.9 CPU-s per GB per side on
-a core with SHA extensions; a push of 1 GB took ~2.1 CPU-s more for both ends
-together (2.6 vs 0.5, ``bench/peer_mac_cost.py``). Payloads are not encrypted:
-snapshots are training state, not credentials; keep the fleet network
-isolated as usual.
+header, and each ``PIECE`` of a payload) is followed by an AES-GMAC tag under a
+per-connection key (derived from the secret and both nonces) whose nonce is the
+frame's direction and sequence number, so a frame cannot be altered, replayed on
+another connection, reordered or cut without the receiver noticing; a receiver
+drops the connection at the first bad tag (a ``put`` is then not stored, a
+``get`` fails and the reader tries another holder). Cost: one GMAC pass per byte
+on each side, near memory speed (OpenSSL's AES-NI/PCLMUL code; it was
+HMAC-SHA256 before, 0.6-0.9 CPU-s per GB per side: ``bench/push_cost.py`` and
+``bench/RESULTS.md`` have the push cost side by side). Payloads are not
+encrypted: snapshots are training state, not credentials; keep the fleet network
+isolated as usual. What a pushed version *is* is authenticated apart from the
+channel: its rank manifest is signed and each chunk carries its own MAC
+(:mod:`.auth`), checked by whoever restores from it.
 
 Integrity at rest: a ``put`` carries the CRC-32C the part had when its rank
 captured it (combined from the rank manifest's chunk CRCs), checked by the
@@ -35,7 +37,6 @@ bytes in pieces (+ a tag each). Nothing is ever unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -81,7 +82,7 @@ class PeerTampered(ConnectionError):
     The connection is dropped (a ConnectionError: nothing more can be trusted on it)."""
 
 
-TAG = 32  # bytes of an HMAC-SHA256 tag
+TAG = 16  # bytes of an AES-GMAC tag
 
 
 def _mac(secret: JobSecret, *parts: bytes) -> str:
@@ -94,7 +95,10 @@ class _Channel:
     checked before it is used. ``out``/``inn``: this side's direction labels."""
 
     def __init__(self, sock: socket.socket, key: bytes, out: bytes, inn: bytes):
-        self.sock, self.key, self.out, self.inn = sock, key, out, inn
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self.sock, self.out, self.inn = sock, out, inn
+        self._gmac = AESGCM(key[:16])
         self.sent = self.received = 0
 
     @classmethod
@@ -104,9 +108,9 @@ class _Channel:
         return cls(sock, key, b"s2c", b"c2s") if server else cls(sock, key, b"c2s", b"s2c")
 
     def _tag(self, direction: bytes, seq: int, data: bytes | memoryview | mmap.mmap) -> bytes:
-        h = hmac.new(self.key, direction + struct.pack("!Q", seq), hashlib.sha256)
-        h.update(data)
-        return h.digest()
+        # AES-GMAC: the nonce is the direction and the frame's number, never repeated under a
+        # connection's key (itself fresh per connection: both nonces of the handshake).
+        return self._gmac.encrypt(direction + b"\0" + struct.pack("!Q", seq), b"", data)
 
     def tag_out(self, data: bytes | memoryview | mmap.mmap) -> bytes:
         """The tag of the next frame sent (call once per frame, in order)."""
