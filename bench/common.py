@@ -251,7 +251,7 @@ class Job:
         # A node store killed with its agent stays in tmpfs (by design: it outlives workers).
         for e in self.events("agent_start"):
             if e.get("run_id"):
-                drop_dir(Path("/dev/shm") / f"resilient-{e['run_id']}")
+                drop_dir(job_dir("/dev/shm", e["run_id"]))
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:

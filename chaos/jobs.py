@@ -359,9 +359,12 @@ class LocalJob:
     def all_shm(self) -> list[str]:
         """Every /dev/shm entry a process of this job was seen using (the
         leak check's list), as the entry directly under /dev/shm."""
+        from resilient.snapshot.storeroot import user_root
+
         with self._lock:
             seen = set().union(*self.shm_seen.values()) if self.shm_seen else set()
-        return sorted({"/".join(p.split("/")[:4]) for p in seen})
+        root = str(user_root(SHM_DIR)) + "/"  # node stores sit one level down, in this user's root
+        return sorted({"/".join(p.split("/")[:5 if p.startswith(root) else 4]) for p in seen})
 
     # -- JobHandles ---------------------------------------------------------
     def seat(self, node: int) -> int:
@@ -392,7 +395,9 @@ class LocalJob:
 
     def node_store(self, node: int) -> Path:
         """The node's snapshot store tree (resilient/snapshot/nodestore.py)."""
-        return self.store_dir / f"resilient-{self.run_id}" / self.node_id(node)
+        from resilient.snapshot.nodestore import job_dir
+
+        return job_dir(self.store_dir, self.run_id) / self.node_id(node)
 
     def node_shm(self, node: int) -> list[str]:
         """The node's RAM: its store tree, and whatever else under /dev/shm

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient.errors import ConfigError
+from resilient.snapshot.storeroot import user_root
 from resilient.procs import ignore_stop_signals
 from resilient.shipped import shipped_config
 
@@ -141,7 +142,7 @@ def _run_job(sc: Scenario, run_dir: Path, overrides: list[str], *, spares: int, 
                 out.launched_at = {job.node_id(n): t for n, t in job.launched_at.items()}
                 out.agent_pids = dict(job.agent_pids)
         finally:
-            out.shm_prefix, out.shm_dir = job.shm_prefix, str(job.store_dir)
+            out.shm_prefix, out.shm_dir = job.shm_prefix, str(user_root(job.store_dir))
             out.shm = [p for p in job.all_shm() if not Path(p).name.startswith(job.shm_prefix)]
             out.orphans = list(job.orphans)
     out.seconds = time.monotonic() - t0

@@ -19,10 +19,10 @@ def reclaim_what_killed_agents_leave():
     import tempfile
 
     from resilient.procs import reclaim_dirs
-    from resilient.snapshot.nodestore import reclaim_any
+    from resilient.snapshot.storeroot import drop_dead
 
     if os.path.isdir("/dev/shm"):
-        reclaim_any("/dev/shm")
+        drop_dead("/dev/shm")
     reclaim_dirs(tempfile.gettempdir(), "resilient-agent-")
 
 

@@ -1,54 +1,87 @@
-"""No node store outlives its job: a store whose owner was killed with SIGKILL is
-reclaimed by the next start of the same job; a live owner's store is left alone."""
+"""Node stores left by dead agents: kept while their run is unfinished and adopted by a
+relaunch of the same run and node (issue 38); removed when the run finishes, when another
+run's is a day idle or the tmpfs runs short, or by ``resilient store drop``; a live
+owner's store is never touched."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
-from resilient.snapshot.nodestore import NodeStore, job_dir, reclaim
+from resilient.snapshot import storeroot
+from resilient.snapshot.nodestore import NodeStore, job_dir
+from resilient.snapshot.storeroot import drop_dead, node_trees, reclaim_run
 
 OWNER = """
 import sys, time
 from resilient.snapshot.nodestore import NodeStore
-s = NodeStore(sys.argv[1], "job", sys.argv[2]); s.create()
+s = NodeStore(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "job", sys.argv[2]); s.create()
 w = s.writer("step-000000000001/abc-000000/r00000.json"); w.write(b"{}"); w.commit(2, __import__("resilient.snapshot.format", fromlist=["crc"]).crc(b"{}"))
 print("ready", flush=True); time.sleep(120)
 """
 
 
-def _owner(base, node):
-    p = subprocess.Popen([sys.executable, "-c", OWNER, str(base), node], stdout=subprocess.PIPE, text=True)
+def _owner(base, node, run="job"):
+    p = subprocess.Popen([sys.executable, "-c", OWNER, str(base), node, run], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     return p
 
 
-def test_killed_owner_is_reclaimed_live_owner_kept(tmp_path):
+def _kill(p) -> None:
+    p.kill()
+    p.wait(10)
+
+
+def test_a_dead_agents_tree_is_kept_and_adopted_by_its_relaunch(tmp_path):
     dead, live = _owner(tmp_path, "dead"), _owner(tmp_path, "live")
     try:
-        dead.kill()
-        dead.wait(10)
-        assert sorted(p.name for p in job_dir(tmp_path, "job").iterdir()) == ["dead", "live"]
-        me = NodeStore(tmp_path, "job", "me")
-        assert me.create() == ["dead"]
-        assert sorted(p.name for p in job_dir(tmp_path, "job").iterdir()) == ["live", "me"]
-        me.remove()
+        _kill(dead)
+        other = NodeStore(tmp_path, "job", "me")  # another node of the unfinished run starts here
+        assert other.create() == [] and other.adopted == []
+        assert sorted(p.name for p in job_dir(tmp_path, "job").iterdir()) == ["dead", "live", "me"]
+        again = NodeStore(tmp_path, "job", "dead")  # the relaunch of the dead node
+        again.create()
+        assert [(v.step, v.attempt, sorted(v.ranks)) for v in again.adopted] == [(1, "abc-000000", [0])]
+        assert {t.node: t.alive for t in node_trees(tmp_path)} == {"dead": True, "live": True, "me": True}
+        again.keep("SIGTERM")  # stopped with the run unfinished: kept, marked
+        assert (again.path / storeroot.KEPT).exists() and again.path.is_dir()
+        # the run finishes on "me": it removes its own and the dead trees of the run, not a live one's
+        assert reclaim_run(tmp_path, "job", but="me") == []  # "dead"'s owner is this process: alive
+        other.remove()
     finally:
-        live.kill()
-        live.wait(10)
-    assert reclaim(tmp_path, "job") == ["live"]
-    assert not job_dir(tmp_path, "job").exists()
+        _kill(live)
+    assert sorted(reclaim_run(tmp_path, "job")) == ["live"]  # ("dead": adopted by this live process)
 
 
-def test_dead_trees_of_other_jobs_are_reclaimed_foreign_dirs_kept(tmp_path):
-    dead = _owner(tmp_path, "x")  # a job ("job") that will never start again here
-    dead.kill()
-    dead.wait(10)
-    foreign = tmp_path / "resilient-something" / "data"
+def test_other_runs_dead_trees_go_after_a_day_or_when_space_is_short(tmp_path, monkeypatch):
+    for run in ("old", "fresh"):
+        _kill(_owner(tmp_path, "x", run))
+    foreign = storeroot.user_root(tmp_path) / "resilient-something" / "data"
     foreign.mkdir(parents=True)  # no owner.json: not a node store, not ours to delete
-    NodeStore(tmp_path, "another-job", "n0").create()
-    assert not job_dir(tmp_path, "job").exists()
+    day_ago = time.time() - storeroot.KEEP_DEAD.total_seconds() - 60
+    for e in os.scandir(job_dir(tmp_path, "old") / "x"):
+        os.utime(e.path, (day_ago, day_ago), follow_symlinks=False)
+    assert NodeStore(tmp_path, "another-job", "n0").create() == ["old/x"]
+    assert (job_dir(tmp_path, "fresh") / "x").is_dir() and not job_dir(tmp_path, "old").exists()
+    monkeypatch.setattr(storeroot, "_short_of_space", lambda base: True)  # a later job needs the space
+    assert NodeStore(tmp_path, "third-job", "n0").create() == ["fresh/x"]
     assert foreign.exists()
+    assert drop_dead(tmp_path) == []  # the two stores made here are this live process's
+
+
+def test_store_drop_removes_dead_trees_only(tmp_path, capsys):
+    _kill(_owner(tmp_path, "gone", "r1"))
+    live = NodeStore(tmp_path, "r2", "n0")
+    live.create()
+    assert storeroot.main(["--store-dir", str(tmp_path), "ls"]) == 0
+    listing = capsys.readouterr().out
+    assert "r1" in listing and "dead" in listing and "live" in listing
+    assert storeroot.main(["--store-dir", str(tmp_path), "drop"]) == 0
+    assert "dropped r1/gone" in capsys.readouterr().out
+    assert [t.run_id for t in node_trees(tmp_path)] == ["r2"]
+    live.remove()
 
 
 def test_agent_dirs_of_dead_owners_are_reclaimed(tmp_path):

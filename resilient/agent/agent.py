@@ -163,7 +163,7 @@ class ResilientAgent(SimpleElasticAgent):
                                      self.store.client if self.store is not None else None,
                                      getattr(getattr(spec.rdzv_handler, "_store", None), "client", None)])
         if registry is not None:
-            info = {"store": self.store.server.address} if self.store is not None else {}
+            info = self.store.registry_info() if self.store is not None else {}
             if hasattr(spec.rdzv_handler, "node_desc"):
                 info["rdzv"] = spec.rdzv_handler.node_desc
             registry.update(**info)
@@ -519,8 +519,8 @@ class ResilientAgent(SimpleElasticAgent):
         else:
             self._stop_workers(self._worker_group, death_sig, timedelta(seconds=timeout))
         self.pool.close()
-        if self.store is not None:
-            self.store.close()
+        if self.store is not None:  # kept for a relaunch while the run is unfinished (issue 38)
+            self.store.close(self.stop_reason)
         if self.compactor is not None:
             self.compactor.close()
         # The node registry is left last, in leave(): see there.

@@ -12,6 +12,7 @@ private temporary directory, named in ``RESILIENT_STORE``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -22,13 +23,35 @@ from typing import Any, Callable
 
 from resilient.agent.membership import RegistryReader
 from resilient.secret import JobSecret, require_secret
+from resilient.snapshot.api import SnapshotError
+from resilient.snapshot.format import version_dir
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions
 from resilient.snapshot.nodestore import NodeStore
 from resilient.snapshot.peer import PeerServer
 from resilient.snapshot.storefull import full_since
+from resilient.snapshot.storeroot import reclaim_run
 from resilient.snapshot.tiers import STORE_ENV, StoreInfo
 
 log = logging.getLogger(__name__)
+
+
+def kept_versions(store: NodeStore) -> list[dict]:
+    """What an adopted tree holds, for the registry: ``{"step", "attempt", "world", "ranks"}`` per
+    version. The world is read from a rank manifest unchecked: a hint to plan with; a restore
+    authenticates every manifest and chunk it reads."""
+    out = []
+    for v in getattr(store, "adopted", []):
+        try:
+            rel = f"{version_dir(v.step)}/{v.attempt}/r{min(v.ranks):05d}.json"
+            world = json.loads(store.read(rel)).get("world")
+        except (OSError, ValueError, AttributeError, SnapshotError):
+            continue
+        if isinstance(world, int) and world > 0:
+            out.append({"step": v.step, "attempt": v.attempt, "world": world, "ranks": sorted(v.ranks)})
+    return out[-4:]  # the newest few: a restore wants the newest complete one
+
+
+RUN_OVER = ("finished", "rendezvous_closed")  # an agent's stop reasons that mean the run is done
 
 
 @dataclass
@@ -55,7 +78,10 @@ class NodeStoreService:
         self.store = NodeStore(settings.base, run_id, node)
         reclaimed = self.store.create()
         if reclaimed:
-            log.warning("reclaimed stale node stores of this job: %s", reclaimed)
+            log.warning("reclaimed node stores that dead agents left on this machine: %s", reclaimed)
+        self.kept = kept_versions(self.store)
+        if self.kept:
+            events.emit("store_adopted", path=str(self.store.path), steps=sorted({k["step"] for k in self.kept}))
         self.client = client_factory()
         self.secret = secret
         self._registry = RegistryReader(self.client, run_id, secret, events)
@@ -74,6 +100,11 @@ class NodeStoreService:
         self._next_full_check = 0.0
         self.info = StoreInfo(base=str(settings.base), run_id=run_id, node=node, etcd=endpoint,
                               secret_file=str(self.secret_file), etcd_conf=dict(etcd_conf or {}))
+
+    def registry_info(self) -> dict:
+        """This node's store in its registry entry: the peer address, and the versions an adopted
+        tree holds (``kept``), which restores may use (:func:`~resilient.snapshot.tiers.memory_plan`)."""
+        return {"store": self.server.address, **({"kept": self.kept} if self.kept else {})}
 
     def live_nodes(self) -> dict[str, dict] | None:
         try:
@@ -122,11 +153,21 @@ class NodeStoreService:
     def flush(self, timeout: timedelta) -> bool:
         return self.replicator.flush(timeout)
 
-    def close(self) -> None:
+    def close(self, stop_reason: str | None = "finished") -> None:
+        """Stop serving; what happens to the tree depends on why the agent stops (its
+        ``stop_reason``): the run is over (:data:`RUN_OVER`): it goes, and so do the trees this
+        run's dead agents left on this machine; quarantined: it goes (its bytes are suspect);
+        any other stop leaves the run unfinished: it is kept for a relaunch of this node, which
+        adopts it (:mod:`resilient.snapshot.storeroot` bounds how long)."""
         self.replicator.close()
         self.server.close()
         try:
             self.client.close()
         except Exception:
             pass
+        if stop_reason in RUN_OVER:
+            reclaim_run(self.store.base, self.run_id, but=self.node)
+        elif stop_reason != "quarantined":
+            self.store.keep(stop_reason or "unknown")
+            return
         self.store.remove()

@@ -202,7 +202,8 @@ class Uploader:
         if self.auth is not None:
             doc = self.auth.sign_manifest(doc)
         path = f"{vdir}/{rank_manifest_name(adir, self.rank)}"
-        with_retry(lambda: write_object(self.fs, path, [doc], len(doc)), path, self.opts.retry)
+        with_retry(lambda: write_object(self.fs, path, [doc], len(doc), in_store=self.spares is not None),
+                   path, self.opts.retry)
         seconds = time.monotonic() - t0
         raw = sum(c.nbytes for c in slot.plan.chunks)
         self.last_uploaded = slot.step

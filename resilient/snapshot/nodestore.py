@@ -19,10 +19,11 @@ version, never a store object): ``.spare/``, retired data files that the next
 writers rewrite in place (:class:`Spares`), and ``.bell``, the socket ranks
 ring when a version landed (:class:`Doorbell`).
 
-Leaks: ``owner.json`` records the owning agent's pid and its start time. An
-agent killed with SIGKILL cannot clean up; the next agent started on this
-machine removes every tree whose owner is dead, of its own job
-(:func:`reclaim`) and of any other (:func:`reclaim_any`).
+Privacy and leaks (:mod:`.storeroot`): trees live under ``STORE_DIR/resilient-u<uid>/``,
+0700 and checked before use. ``owner.json`` records the owning agent's pid and its start
+time. A tree whose agent died, or stopped with its run unfinished, is kept for a relaunch
+of the same run and node, which adopts it; other runs' dead trees are reclaimed after a
+day or when the tmpfs runs short, and a finished run's agent removes its run's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import os
 import re
 import shutil
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,6 +47,7 @@ from resilient.procs import OWNER, owner_alive, owner_record
 from resilient.snapshot.format import crc, parse_version_dir, version_dir
 from resilient.snapshot.mapping import MAPPINGS, mapped
 from resilient.snapshot.storefull import out_of_space
+from resilient.snapshot.storeroot import KEPT, private_dir, private_root, reclaim_other_runs, user_root
 
 SPARES = ".spare"  # retired data files, rewritten in place by the next writers (see Spares)
 BELL = ".bell"     # the agent's doorbell socket: a rank rings it when a version landed (see Doorbell)
@@ -55,7 +58,8 @@ _RANK = re.compile(r"/r(\d{5})(?:-p\d{4}\.bin|\.json)$")
 
 
 def job_dir(base: str | os.PathLike, run_id: str) -> Path:
-    return Path(base) / f"resilient-{run_id}"
+    """A run's directory of node trees, under this user's private root (:mod:`.storeroot`)."""
+    return user_root(base) / f"resilient-{run_id}"
 
 
 def check_rel(rel: str) -> str:
@@ -70,38 +74,6 @@ def rank_of(rel: str) -> int:
     if m is None:
         raise ValueError(f"{rel!r} names no rank")
     return int(m.group(1))
-
-
-def reclaim_any(base: str | os.PathLike) -> list[str]:
-    """Remove node trees of *any* job under ``base`` whose owner (``owner.json``) is dead:
-    jobs that never restart on this machine (a finished test, a cancelled run) must not
-    leave their RAM behind either. Trees without an owner file are not ours: left alone."""
-    removed = []
-    for root in Path(base).glob("resilient-*"):
-        if root.is_dir() and any((t / OWNER).exists() for t in root.iterdir() if t.is_dir()):
-            removed += [f"{root.name}/{n}" for n in reclaim(base, root.name.removeprefix("resilient-"), owned_only=True)]
-    return removed
-
-
-def reclaim(base: str | os.PathLike, run_id: str, owned_only: bool = False) -> list[str]:
-    """Remove this job's node trees whose owner process is dead; returns their node names."""
-    root = job_dir(base, run_id)
-    removed = []
-    if not root.is_dir():
-        return removed
-    for tree in root.iterdir():
-        if tree.name.startswith("."):
-            continue  # a tree being created (see NodeStore.create)
-        if owned_only and not (tree / OWNER).exists():
-            continue
-        if tree.is_dir() and not owner_alive(tree):
-            shutil.rmtree(tree, ignore_errors=True)
-            removed.append(tree.name)
-    try:
-        root.rmdir()  # only when empty
-    except OSError:
-        pass
-    return removed
 
 
 @dataclass(frozen=True)
@@ -127,32 +99,55 @@ class NodeStore:
 
     # -- life cycle -------------------------------------------------------------
     def create(self) -> list[str]:
-        """Reclaim dead trees of this job, then create ours (owned by this process)."""
-        reclaimed = reclaim(self.base, self.run_id)
+        """Check this user's private root (:func:`~.storeroot.private_root`: refused, never used, if
+        another user could reach it), drop other runs' stale dead trees, then create our tree, or
+        adopt the one a dead agent of this run and node left (``self.adopted``: its versions, which
+        a restore may use once every byte authenticates). Returns the trees reclaimed."""
+        private_root(self.base)
         try:
-            reclaim_any(self.base)  # other jobs' agents killed with -9 on this machine
+            reclaimed = reclaim_other_runs(self.base, self.run_id)
         except OSError:
-            pass
-        if self.path.exists() and owner_alive(self.path):
-            raise StorageError(f"{self.path}: another live agent owns node {self.node!r} of run "
-                               f"{self.run_id!r}; give this node another --node-id", str(self.path))
-        shutil.rmtree(self.path, ignore_errors=True)
+            reclaimed = []
+        self.adopted: list[LocalVersion] = []
+        if self.path.exists():
+            if owner_alive(self.path):
+                raise StorageError(f"{self.path}: another live agent owns node {self.node!r} of run "
+                                   f"{self.run_id!r}; give this node another --node-id", str(self.path))
+            private_dir(self.path, "the node store")  # ours, 0700, not a link: else refused
+            self._adopt()
+            return reclaimed
         # Born with its owner file: built under a hidden name, then renamed into
         # place, so an agent starting at the same moment never sees our tree
         # without an owner and reclaims it as dead.
         tmp = self.path.parent / f".{self.node}.creating-{os.getpid()}"
         for attempt in range(100):
             try:
-                tmp.mkdir(parents=True, mode=0o700, exist_ok=True)
+                tmp.parent.mkdir(mode=0o700, exist_ok=True)
+                tmp.mkdir(mode=0o700, exist_ok=True)
                 break
             except FileNotFoundError:
-                # Another agent's reclaim removed the job's root while it was still
-                # empty, between our mkdir of the root and of our tree: make it again.
+                # Another agent's reclaim removed the run's directory while it was still
+                # empty, between our mkdir of it and of our tree: make it again.
                 if attempt == 99:
                     raise
         (tmp / OWNER).write_text(owner_record(node=self.node))
         os.rename(tmp, self.path)
         return reclaimed
+
+    def _adopt(self) -> None:
+        tmp = self.path / f".{OWNER}.adopt-{os.getpid()}"
+        tmp.write_text(owner_record(node=self.node))
+        os.replace(tmp, self.path / OWNER)
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / KEPT).unlink()
+        self.adopted = self.versions()
+
+    def keep(self, reason: str) -> None:
+        """Leave the tree for a relaunch of this run (its job is unfinished): the files stay, marked
+        :data:`~.storeroot.KEPT`; :mod:`.storeroot` bounds how long."""
+        MAPPINGS.clear()
+        with contextlib.suppress(OSError):
+            (self.path / KEPT).write_text(json.dumps({"time": time.time(), "reason": reason}))
 
     def remove(self) -> None:
         MAPPINGS.clear()  # they would keep the removed files' pages alive
@@ -287,8 +282,7 @@ class NodeStore:
         path = self.file(rel)  # step-S/ATTEMPT/name: two directory levels below the store
         if not self.path.is_dir():
             raise FileNotFoundError(f"{self.path}: node {self.node}'s store is gone")
-        for d in (path.parent.parent, path.parent):
-            d.mkdir(mode=0o700, exist_ok=True)  # private, as the node's own directory
+        make_version_dirs(path.parent)
         return AtomicWriter(path, self.spares)
 
     @property
@@ -424,6 +418,19 @@ class Doorbell:
             pass
 
 
+def make_version_dirs(attempt_dir: Path) -> None:
+    """``STORE/step-S/ATTEMPT``'s two directories, 0700; never the store itself: a store that is
+    gone (its agent left, or someone moved it) is not re-created by a writer, with whatever mode
+    and owner its parent would give it (FileNotFoundError instead)."""
+    for d in (attempt_dir.parent, attempt_dir):
+        d.mkdir(mode=0o700, exist_ok=True)
+
+
+def _private_file(path: str, flags: int) -> int:
+    """``open``'s opener for store files: 0600, and never through a symbolic link."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o600)
+
+
 def readinto_at(path: str | os.PathLike, start: int, out: memoryview) -> int:
     """Read up to ``len(out)`` bytes of a local file from ``start`` into ``out``; returns how
     many (fewer at the end of the file). FileNotFoundError passes through."""
@@ -444,10 +451,10 @@ def open_for_rewrite(tmp: Path, spares: "Spares | None", like: str = ""):
     final name, to get back a spare that had it (:meth:`Spares.claim`)."""
     if spares is not None and spares.claim(tmp, like):
         try:
-            return open(tmp, "r+b")
+            return open(tmp, "r+b", opener=_private_file)
         except FileNotFoundError:  # retention of a removed store: start afresh
             pass
-    return open(tmp, "w+b")  # readable too: receive() maps it
+    return open(tmp, "w+b", opener=_private_file)  # readable too: receive() maps it
 
 
 class AtomicWriter:

@@ -28,7 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete, StorageError
 from resilient.snapshot.mapping import write_mapped
-from resilient.snapshot.nodestore import OWNER, Spares, open_for_rewrite, readinto_at
+from resilient.snapshot.nodestore import OWNER, Spares, make_version_dirs, open_for_rewrite, readinto_at
 
 T = TypeVar("T")
 
@@ -104,13 +104,17 @@ def is_remote(fs: fsspec.AbstractFileSystem) -> bool:
     return not any(p in ("file", "local", "memory") for p in protos)
 
 
-def _write_local(path: str, pieces: Iterable[Any], spares: Spares | None = None, size: int | None = None) -> None:
+def _write_local(path: str, pieces: Iterable[Any], spares: Spares | None = None, size: int | None = None,
+                 in_store: bool = False) -> None:
     """Temp file, fsync, rename, fsync the directory: the object is whole or absent, even after a power cut.
     ``spares``: a node store's retired files, one of which is rewritten in place if left;
     there, with ``size`` known beforehand, the bytes go in through a mapping
     (:func:`~resilient.snapshot.mapping.write_mapped`: tmpfs ``write`` is ~7x its cost)."""
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
+    if spares is not None or in_store:  # a node store: 0700 version directories, never the store itself
+        make_version_dirs(Path(parent))
+    else:
+        os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         with open_for_rewrite(Path(tmp), spares, os.path.basename(path)) as f:
@@ -142,12 +146,12 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def write_object(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[Any],
-                 size: int | Callable[[], int], spares: Spares | None = None) -> None:
+                 size: int | Callable[[], int], spares: Spares | None = None, in_store: bool = False) -> None:
     """Write the concatenation of ``pieces`` (bytes-like) to ``path`` atomically, then check
     its size (``size`` may be a callable, for pieces produced while writing; an int, known
     beforehand, lets a node store take the bytes through a mapping)."""
     if isinstance(fs, LocalFileSystem):
-        _write_local(fs._strip_protocol(path), pieces, spares, size if isinstance(size, int) else None)
+        _write_local(fs._strip_protocol(path), pieces, spares, size if isinstance(size, int) else None, in_store)
     else:
         with fs.open(path, "wb") as f:
             for p in pieces:

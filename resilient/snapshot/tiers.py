@@ -113,12 +113,24 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None) -> list[dic
             for r, h in rec["holders"].items():  # same version, both tiers: union of holders
                 have["holders"][r] = have["holders"].get(r, []) + [n for n in h if n not in have["holders"].get(r, [])]
     plan = []
+    kept_by: dict[int, set[str]] = {}   # step -> nodes whose adopted tree holds it (incarnation aside)
+    for step, attempt, world, holders in kept_versions(live):
+        rec = records.get(step)
+        if rec is not None and rec["attempt"] != attempt:
+            continue  # a commit record names another write of that step: it wins
+        if rec is None:
+            rec = records[step] = {"step": step, "attempt": attempt, "world": world, "holders": {}}
+        for r, h in holders.items():   # committed too: its holders, and the kept trees that hold it now
+            rec["holders"][r] = rec["holders"].get(r, []) + [n for n in h if n not in rec["holders"].get(r, [])]
+        kept_by[step] = {n for h in holders.values() for n in h}
     for step in sorted(records, reverse=True):
         rec = records[step]
         # A holder counts if it is alive *and* is the same incarnation: an agent started after
-        # the commit (a restarted node, same name) has a fresh, empty store.
+        # the commit (a restarted node, same name) has a fresh, empty store, unless it adopted
+        # the tree its dead predecessor left (kept_by).
         born = float(rec.get("time", float("inf")))
-        holders = {r: [n for n in h if n in live and float(live[n].get("since", 0)) <= born]
+        kept = kept_by.get(step, set())
+        holders = {r: [n for n in h if n in live and (n in kept or float(live[n].get("since", 0)) <= born)]
                    for r, h in rec["holders"].items()}
         if len(holders) < rec["world"] or any(not holders.get(str(r)) for r in range(rec["world"])):
             continue
@@ -128,6 +140,25 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None) -> list[dic
         if len(plan) >= limit:
             break
     return plan
+
+
+def kept_versions(live: dict[str, dict]) -> list[tuple[int, str, int, dict[str, list[str]]]]:
+    """Versions that the live nodes' adopted trees hold (their registry entries' ``kept``: trees
+    dead agents of this run left on their machines, :mod:`.storeroot`), as ``(step, attempt,
+    world, {rank: [nodes]})`` where every rank has a holder. A hint to plan with: the restore
+    authenticates every manifest and chunk it reads, and falls back on any that fails."""
+    held: dict[tuple[int, str, int], dict[str, list[str]]] = {}
+    for node, doc in live.items():
+        for k in doc.get("kept") or ():
+            try:
+                key = (int(k["step"]), str(k["attempt"]), int(k["world"]))
+                ranks = [int(r) for r in k["ranks"]]
+            except (KeyError, TypeError, ValueError):
+                continue
+            for r in ranks:
+                held.setdefault(key, {}).setdefault(str(r), []).append(node)
+    return [(step, attempt, world, holders) for (step, attempt, world), holders in held.items()
+            if 0 < world <= 1 << 16 and all(str(r) in holders for r in range(world))]
 
 
 def forget_after(info: StoreInfo, step: int) -> None:
