@@ -8,6 +8,7 @@
     resilient chaos run SCENARIO [--out DIR] | report DIR
     resilient doctor [CONFIG] [--rdzv-endpoint HOST:PORT] [--run-dir DIR]
     resilient status RUN_DIR | --rdzv-endpoint HOST:PORT --run-id ID [--once] [--json]
+    resilient store ls|drop [RUN_ID] [--node N] [--store-dir DIR]
 
 Each subcommand's code lives in its own module; this file only parses the
 first word and maps typed errors to a one-line message and exit code 2.
@@ -94,6 +95,12 @@ def _cmd_status(argv: list[str]) -> int:
     return status_main(argv)
 
 
+def _cmd_store(argv: list[str]) -> int:
+    from resilient.snapshot.storeroot import main as store_main
+
+    return store_main(argv)
+
+
 def _cmd_quarantine(argv: list[str]) -> int:
     from resilient.agent.quarantine import main as quarantine_main
 
@@ -106,6 +113,7 @@ COMMANDS = {
     "chaos": (_cmd_chaos, "run a fault-injection campaign, or report on one"),
     "status": (_cmd_status, "a live view of a job: members, round, commits, failures, recoveries, goodput"),
     "quarantine": (_cmd_quarantine, "list or clear nodes quarantined for silent data corruption or marked slow"),
+    "store": (_cmd_store, "list or drop the node stores (RAM) that stopped agents kept on this machine"),
     "data": (_cmd_data, "prepare a token corpus"),
     "config": (_cmd_config, "show or explain a run config"),
     "doctor": (_cmd_doctor, "check this node (shm, open files, etcd, clock, disk, GPUs) before launching"),

@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=POSITIVE, default=4, help="parallel chunk reads")
     p.add_argument("--storage-options", metavar="JSON", default="",
                    help='fsspec options for every URL, e.g. \'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\'')
+    p.add_argument("--secret-file", metavar="FILE", default=None,
+                   help="the job secret (a 0600 file; default: $RESILIENT_JOB_SECRET_FILE or $RESILIENT_JOB_SECRET): "
+                        "versions read must authenticate under it, versions written are signed with it. Without "
+                        "one, only CRCs are checked (integrity, not authenticity) and output is unsigned")
     p.add_argument("--inflight-mb", type=POSITIVE, default=32,
                    help="chunk reads in flight, in MB (at least one chunk); with --block-mb it bounds memory")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -63,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("url", help=URL_HELP)
     s.add_argument("--fast", action="store_true", help="structure only: manifest sanity, sizes, objects exist")
     s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("sign", help="adopt a version without MACs (older, or written without a secret) for the "
+                       "job secret given (--secret-file): every chunk is CRC-checked, then signed")
+    s.add_argument("url", help=URL_HELP)
+    s.add_argument("--all", action="store_true", help="every complete version under URL, not one")
+    s.add_argument("--force", action="store_true", help="also re-sign versions signed with another secret")
 
     s = sub.add_parser("reshard", help="write the version again, chunked for another pp/dp/tp layout")
     s.add_argument("url", help=URL_HELP)
@@ -126,6 +136,10 @@ def _run(a: argparse.Namespace) -> int:
             source.STORAGE_OPTIONS = json.loads(a.storage_options)
         except json.JSONDecodeError as e:
             raise BadUrl(f"--storage-options is not JSON ({e}); write e.g. '{{\"anon\": true}}'") from None
+    from resilient.secret import resolve_secret
+    source.SECRET = resolve_secret(a.secret_file)
+    if a.cmd == "sign":
+        return _sign(a, progress)
     if a.cmd == "ls":
         from resilient_tools.listing import format_ls, list_versions
         rows = list_versions(a.url)
@@ -141,6 +155,7 @@ def _run(a: argparse.Namespace) -> int:
         r = verify(a.url, a.fast, a.threads, progress)
         if a.json:
             print(json.dumps({"url": r.url, "step": r.step, "ok": r.ok, "fast": r.fast, "chunks": r.chunks,
+                              "checked": r.checked,
                               "bad_objects": r.bad_objects, "problems": [p.to_json() for p in r.problems]}))
         else:
             print(format_report(r))
@@ -184,6 +199,27 @@ def _run(a: argparse.Namespace) -> int:
     raise AssertionError(a.cmd)
 
 
+def _sign(a: argparse.Namespace, progress: bool) -> int:
+    from resilient.snapshot.auth import VersionAuth
+    from resilient_tools import source
+    from resilient_tools.errors import CkptToolError
+    from resilient_tools.sign import sign
+
+    if source.SECRET is None:
+        raise CkptToolError("ckpt sign needs the job secret to sign with: --secret-file FILE (or "
+                            "$RESILIENT_JOB_SECRET_FILE / $RESILIENT_JOB_SECRET)")
+    auth, secret = VersionAuth(source.SECRET), source.SECRET
+    source.SECRET = None  # the versions are read for their CRCs: they carry no MAC (yet)
+    src = source.open_source(a.url, a.threads)
+    steps = src.reader.complete_steps() if a.all else [src.step]
+    for step in steps:
+        r = sign(src.reader, step, auth, force=a.force, progress=progress)
+        what = "re-signed" if r.resigned else ("signed" if r.bytes_read else "already signed")
+        print(f"{what} {r.url} step {r.step} for secret {secret.fingerprint}: {r.chunks} chunks, "
+              f"{r.bytes_read / 1e6:,.1f} MB checked")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``resilient ckpt`` with ``argv`` (without the ``ckpt``); returns the exit code."""
     parser = _parser()
@@ -215,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 _VERSION_LEFT = ("nothing was committed and the partial output was removed; if a step-* folder without "
                  "manifest.json is left in OUT (storage failed during the cleanup), rerun with --force")
 _INTERRUPTED = {
+    "sign": "manifest.json is replaced atomically: each version is signed or as it was; rerun to finish",
     "reshard": _VERSION_LEFT,
     "import": _VERSION_LEFT,
     "convert": "OUT was not written (a local file appears only when complete; a torch-dcp folder may hold "

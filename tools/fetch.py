@@ -30,6 +30,12 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return _pools[threads]
 
 
+def _held(c) -> int:
+    """What a chunk in flight holds: its stored bytes and, decompressed, its raw bytes (a small
+    frame may stand for many: the budget must count what it inflates to)."""
+    return c.length + (c.raw_length if c.compression != "none" else 0)
+
+
 def fill(reader: SnapshotReader, manifest: Manifest, rec: TensorRecord,
          wanted: list[tuple[Box, torch.Tensor]], inflight_bytes: int | None = None) -> int:
     """Copy every stored chunk overlapping each wanted box into its tensor; returns stored bytes read.
@@ -50,14 +56,14 @@ def fill(reader: SnapshotReader, manifest: Manifest, rec: TensorRecord,
         cbox = Box(c.offsets, c.sizes)
         for i, (b, dst) in enumerate(wanted):
             covered[i] += copy_overlap(cbox, data, b, dst)
-        held -= c.length
+        held -= _held(c)
         del data
 
     for c in work:
-        while queue and held + c.length > inflight_bytes:
+        while queue and held + _held(c) > inflight_bytes:
             place()
         queue.append((c, pool.submit(reader.read_chunk, manifest, rec, c)))
-        held += c.length
+        held += _held(c)
     while queue:
         place()
     for (b, _), n in zip(wanted, covered):

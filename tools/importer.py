@@ -261,6 +261,43 @@ def _from_dcp_name(key: str) -> str:
     return our_name(key)
 
 
+def check_dcp_storage(folder: str, meta) -> None:
+    """Every file DCP's metadata names lies inside ``folder`` (a ``relative_path`` climbing out
+    opened ``../../etc/passwd``), and every byte range is a sane one: :class:`ConvertError` else."""
+    root = os.path.realpath(folder)
+    for index, info in (getattr(meta, "storage_data", None) or {}).items():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
+        if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\0" in rel:
+            raise ConvertError(f"{folder}/.metadata: {getattr(index, 'fqn', index)!r} names the file {rel!r}, not a "
+                               "relative path inside the checkpoint folder; refusing it")
+        real = os.path.realpath(os.path.join(root, rel))
+        if os.path.commonpath([root, real]) != root:
+            raise ConvertError(f"{folder}/.metadata: {getattr(index, 'fqn', index)!r} names {rel!r}, which lies "
+                               "outside the checkpoint folder (crafted metadata); refusing to open it")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (offset, length)):
+            raise ConvertError(f"{folder}/.metadata: {getattr(index, 'fqn', index)!r} has the byte range "
+                               f"{offset!r}+{length!r}; the metadata is damaged")
+
+
+def _empty_for_import(folder: str, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor a DCP entry is loaded into, allocated only once its size is one this machine
+    can hold (a crafted entry claiming 1 TiB ended in an allocator error)."""
+    import psutil
+
+    if not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ConvertError(f"{folder}/.metadata: {key!r} has the shape {list(shape)}; the metadata is damaged")
+    need, free = _nbytes(shape, dtype), psutil.virtual_memory().available
+    if need > free:
+        raise ConvertError(f"{folder}: {key!r} is {list(shape)} {dtype} ({need / 2**30:,.1f} GiB), more than this "
+                           f"machine has free ({free / 2**30:,.1f} GiB): import loads one tensor at a time; import "
+                           "on a bigger machine (or the metadata is crafted)")
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except RuntimeError as e:  # the allocator's refusal
+        raise ConvertError(f"{folder}: cannot allocate {key!r} ({need / 2**30:,.1f} GiB): {e}") from None
+
+
 def from_dcp(path: str, w: VersionWriter, block_bytes: int, progress: bool) -> int:
     import warnings
 
@@ -274,11 +311,12 @@ def from_dcp(path: str, w: VersionWriter, block_bytes: int, progress: bool) -> i
         def read_metadata(self, *args: Any, **kwargs: Any):
             return meta
 
+    check_dcp_storage(folder, meta)
     items = [(k, v) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
     skipped = [k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
     bar = Progress(f"import {folder}", sum(_nbytes(v.size, v.properties.dtype) for _, v in items), progress)
     for key, v in items:
-        t = torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        t = _empty_for_import(folder, key, tuple(v.size), v.properties.dtype)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load({key: t}, storage_reader=SafeReader(folder))

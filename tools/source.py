@@ -24,6 +24,9 @@ _STEP = re.compile(r"^(.*)@(\d+|latest)$")
 # fsspec storage options for every URL the tools open (``--storage-options`` sets them), e.g.
 # ``{"client_kwargs": {"endpoint_url": "http://minio:9000"}}`` for an S3-compatible store.
 STORAGE_OPTIONS: dict = {}
+# The job secret the tools check versions with and sign what they write (``--secret-file``, or the
+# environment's: resilient.secret.resolve_secret); None: CRCs only, and output unsigned.
+SECRET = None
 
 
 def split_version(spec: str) -> tuple[str, int | None]:
@@ -70,6 +73,10 @@ class CheckedReader(SnapshotReader):
         return self._sizes[path]
 
     def read_chunk(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord):
+        self.before_read(manifest, tensor, chunk)
+        return super().read_chunk(manifest, tensor, chunk)
+
+    def before_read(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord) -> None:
         path = self.object_path(manifest, chunk)
         size = self._object_size(path)
         if size is not None and chunk.offset + chunk.length > size:
@@ -77,7 +84,6 @@ class CheckedReader(SnapshotReader):
                 f"{path}: object is truncated: {size} bytes, the chunk of {tensor.name!r} at {list(chunk.offsets)} "
                 f"needs bytes {chunk.offset}-{chunk.offset + chunk.length}; the object or the manifest is damaged",
                 path)
-        return super().read_chunk(manifest, tensor, chunk)
 
 
 def _parent(url: str) -> str:
@@ -88,7 +94,7 @@ def open_reader(url: str, threads: int = 4, storage_options: dict | None = None)
     """A reader on ``url``; :class:`BadUrl` when nothing is there, or when it is not a checkpoint folder."""
     try:
         reader = CheckedReader(url, storage_options if storage_options is not None else STORAGE_OPTIONS or None,
-                               threads=threads)
+                               threads=threads, secret=SECRET)
     except (ValueError, ImportError) as e:
         raise BadUrl(f"{url}: cannot open this URL ({e}); use a folder path, file://, s3://, or another "
                      "fsspec URL whose package is installed") from None

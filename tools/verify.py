@@ -38,6 +38,7 @@ class VerifyReport:
     fast: bool
     chunks: int = 0
     bytes_checked: int = 0
+    checked: str = "integrity"   # "integrity" (CRCs only, no secret) or "authenticity" (CRCs and MACs)
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -88,7 +89,7 @@ def check_payloads(reader: SnapshotReader, m: Manifest, skip: set[str], progress
 
     def check(t, c) -> Problem | None:
         try:
-            reader.read_chunk(m, t, c)
+            reader.check_chunk(m, t, c)
         except SnapshotError as e:
             return Problem(reader.object_path(m, c), t.name, str(e))
         return None
@@ -114,6 +115,13 @@ def check_payloads(reader: SnapshotReader, m: Manifest, skip: set[str], progress
     return problems, len(work), bar.done
 
 
+def _checked() -> str:
+    from resilient_tools import source
+    if source.SECRET is None:
+        return "integrity"
+    return f"authenticity (MACs under secret {source.SECRET.fingerprint})"
+
+
 def verify(spec: str, fast: bool = False, threads: int = 4, progress: bool = True) -> VerifyReport:
     """Verify ``URL[@STEP]``. A manifest that cannot be read is itself a problem (naming it), not a crash."""
     url, step = split_version(spec)
@@ -124,11 +132,11 @@ def verify(spec: str, fast: bool = False, threads: int = 4, progress: bool = Tru
         # to judge (an empty folder, a step that is not there): a usage error, not a verdict
         raise
     except SnapshotError as e:
-        report = VerifyReport(url, step, fast)
+        report = VerifyReport(url, step, fast, checked=_checked())
         report.problems.append(Problem(e.obj or url, None, str(e)))
         return report
     m = src.manifest
-    report = VerifyReport(src.url, m.step, fast)
+    report = VerifyReport(src.url, m.step, fast, checked=_checked())
     report.problems = check_structure(src.reader, m)
     report.chunks = sum(len(t.chunks) for t in m.tensors.values())
     if not fast:
@@ -142,12 +150,14 @@ def verify(spec: str, fast: bool = False, threads: int = 4, progress: bool = Tru
 
 def format_report(r: VerifyReport) -> str:
     what = "structure" if r.fast else f"{r.chunks} chunks, {r.bytes_checked / 1e6:,.1f} MB"
+    how = ("integrity only (CRC-32C): authenticity NOT checked; give --secret-file to check the MACs"
+           if r.checked == "integrity" else r.checked)
     if r.ok:
-        return f"OK  {r.url} step {r.step}: {what} verified"
+        return f"OK  {r.url} step {r.step}: {what} verified; {how}"
     by_obj: dict[str, list[Problem]] = defaultdict(list)
     for p in r.problems:
         by_obj[p.object].append(p)
-    lines = [f"BAD {r.url} step {r.step}: {len(r.problems)} problem(s) in {len(by_obj)} object(s)"]
+    lines = [f"BAD {r.url} step {r.step}: {len(r.problems)} problem(s) in {len(by_obj)} object(s); checked {how}"]
     for obj, ps in sorted(by_obj.items()):
         lines.append(f"  {obj}")
         for p in ps[:5]:

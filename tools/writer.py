@@ -27,6 +27,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from resilient.snapshot.api import ChunkRecord, Manifest, TensorRecord
+from resilient.snapshot.auth import VersionAuth
 from resilient.snapshot.boxes import Box, split_rows
 from resilient.snapshot.format import (
     MANIFEST_NAME, checksum, compress, dtype_name, manifest_to_json, should_compress, version_dir,
@@ -89,13 +90,16 @@ class VersionWriter:
                  config_digest: str = "", values: dict | None = None, rank_extras: dict | None = None,
                  extra: Any = None, compress: str = "auto", chunk_bytes: int = 16 << 20,
                  part_bytes: int = 64 << 20, storage_options: dict | None = None,
-                 retry: RetryPolicy = RetryPolicy(), force: bool = False):
+                 retry: RetryPolicy = RetryPolicy(), force: bool = False, secret=None):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CkptToolError(f"step must be a non-negative integer (got {step!r}); a negative step makes a "
                                 "version folder no reader lists")
         self.url, self.step = url, step
-        from resilient_tools.source import STORAGE_OPTIONS
-        self.fs, self.root = open_url(url, storage_options if storage_options is not None else STORAGE_OPTIONS or None)
+        from resilient_tools import source
+        self.fs, self.root = open_url(url, storage_options if storage_options is not None
+                                      else source.STORAGE_OPTIONS or None)
+        secret = secret if secret is not None else source.SECRET
+        self.auth = VersionAuth(secret) if secret is not None else None  # signs chunks and manifest
         self.vdir = f"{self.root}/{version_dir(step)}"
         if self.fs.isfile(self.root):
             raise OutputExists(f"{url}: is a file; the output of reshard/import is a checkpoint folder (it will "
@@ -144,7 +148,8 @@ class VersionWriter:
         at = self._part.write(data)
         rec.chunks.append(ChunkRecord(
             object=self._part_name, offset=at, length=len(data), raw_length=len(raw),
-            offsets=box.offsets, sizes=box.sizes, checksum=checksum(data), compression=how))
+            offsets=box.offsets, sizes=box.sizes, checksum=checksum(data), compression=how,
+            mac=self.auth.chunk_mac(self.step, self.attempt, raw) if self.auth is not None else ""))
         self.bytes_written += len(data)
 
     def _roll(self) -> None:
@@ -162,6 +167,8 @@ class VersionWriter:
             self._part = None
         self.manifest.created = time.time()
         doc = manifest_to_json(self.manifest)
+        if self.auth is not None:
+            doc = self.auth.sign_manifest(doc)
         path = f"{self.vdir}/{MANIFEST_NAME}"
 
         def put_and_check() -> None:

@@ -23,9 +23,11 @@ from resilient.snapshot.api import (
     ChunkRecord, Manifest, NoSnapshotFound, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, SnapshotMismatch,
     TensorRecord,
 )
-from resilient.snapshot.auth import VersionAuth, check_chunk
+from resilient.snapshot.auth import SIGN_HINT, SnapshotUnsigned, SnapshotUnauthentic, VersionAuth, check_chunk
 from resilient.snapshot.boxes import Box, copy_overlap
-from resilient.snapshot.format import MANIFEST_NAME, decompress, dtype_from_name, manifest_from_json, version_dir
+from resilient.snapshot.format import (
+    MANIFEST_NAME, decompress, dtype_from_name, inflate_pieces, manifest_from_json, verify, version_dir,
+)
 from resilient.snapshot.retention import list_versions
 from resilient.snapshot.storage import RetryPolicy, open_url, read_range, read_range_into, with_retry
 
@@ -94,17 +96,45 @@ class SnapshotReader:
                               path, manifest.step, chunk, where)
         return decode_chunk(data, tensor, chunk, where)
 
-    def _verified(self, read, path: str, step: int, chunk: ChunkRecord, where: str):
+    def _verified(self, read, path: str, step: int, chunk: ChunkRecord, where: str, inflate: bool = True):
         """``read()`` (with storage retries) until its bytes check out (:func:`open_chunk`): a bit
         flipped in transit reads right the second time; one on disk doesn't (raises). Returns
-        the raw (decompressed) bytes."""
+        the raw (decompressed) bytes; without ``inflate``, a compressed chunk's stored bytes
+        once their CRC matched (its MAC is the caller's to check)."""
         for attempt in (1, 2):
             data = with_retry(read, path, self.retry)
             try:
+                if not inflate and chunk.compression != "none":
+                    verify(data, chunk.checksum, where)
+                    return data
                 return open_chunk(self.auth, step, chunk, data, where)
             except SnapshotCorrupt:
                 if attempt == 2:
                     raise
+
+    def before_read(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord) -> None:
+        """A hook before a chunk's range is read (the tools check it against the object's size)."""
+
+    def check_chunk(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord) -> None:
+        """What :meth:`read_chunk` checks, without keeping the chunk: a compressed one is inflated a
+        piece at a time (bounded memory whatever its manifest claims: ``ckpt verify``)."""
+        if chunk.compression == "none":
+            self.read_chunk(manifest, tensor, chunk)
+            return
+        self.before_read(manifest, tensor, chunk)
+        path = self.object_path(manifest, chunk)
+        where = f"{path}@{chunk.offset}+{chunk.length} ({tensor.name})"
+        stored = self._verified(lambda: read_range(self.fs, path, chunk.offset, chunk.offset + chunk.length),
+                                path, manifest.step, chunk, where, inflate=False)
+        pieces = inflate_pieces(stored, chunk.raw_length, where)
+        if self.auth is not None and not chunk.mac:
+            raise SnapshotUnsigned(f"{where}: the chunk carries no MAC; {SIGN_HINT}", where)
+        if self.auth is None:
+            for _ in pieces:
+                pass
+        elif not self.auth.chunk_ok_pieces(manifest.step, chunk, pieces):
+            raise SnapshotUnauthentic(f"{where}: the chunk's bytes do not match its MAC (its CRC does): forged, "
+                                      "not damaged", where)
 
     def read_into(self, manifest: Manifest, tensor: TensorRecord, chunk: ChunkRecord, out: torch.Tensor) -> bool:
         """Read an uncompressed chunk of a local file straight into ``out`` (contiguous, the
