@@ -254,6 +254,7 @@ def inflate_pieces(data: Any, raw_length: int, where: str, piece: int = INFLATE_
 def decompress(data: Any, raw_length: int, where: str) -> bytearray:
     """One zstd frame's bytes, into a buffer of ``raw_length`` allocated only after the claim
     was checked (:data:`MAX_INFLATE`, the frame's own content size); never more."""
+    _inflate_check(data, raw_length, where)  # before the allocation (the pieces below are lazy)
     out = bytearray(raw_length)
     at = 0
     for p in inflate_pieces(data, raw_length, where):
@@ -432,6 +433,9 @@ def _chunk_from_json(doc: Any, shape: tuple[int, ...], itemsize: int, name: str,
         raise SnapshotCorrupt(f"{where}: a chunk of {name!r} has a bad object path or range", where)
     if c.compression not in ("none", "zstd"):
         raise SnapshotCorrupt(f"{where}: unknown compression {c.compression!r}", where)
+    if c.compression != "none" and c.raw_length > MAX_INFLATE:  # refused before any tool plans with it
+        raise SnapshotCorrupt(f"{where}: a compressed chunk of {name!r} claims {c.raw_length} bytes, more than any "
+                              f"writer cuts ({MAX_INFLATE >> 20} MiB at most); the manifest is damaged or hostile", where)
     # The byte counts must agree with the box: a reader sizes its reads by them, and a
     # garbled length must not make it allocate terabytes.
     numel = math.prod(sizes)
