@@ -12,7 +12,7 @@ import pytest
 from launchutil import REPO, Agent, digests, events, run_launch, steps_done, tiny_overrides, wait_for, worker_pids
 from resilient.etcd.testing import embedded_etcd
 from resilient.launch import default_run_id
-from resilient.snapshot.nodestore import reclaim
+from resilient.snapshot.nodestore import job_dir, reclaim
 
 DEMO = REPO / "configs" / "demo.toml"
 STEPS = 24
@@ -30,8 +30,8 @@ def overrides(corpus):
 
 
 def shm_trees(run_dir) -> list[str]:
-    run_id = default_run_id(run_dir)
-    return os.listdir("/dev/shm/resilient-" + run_id) if os.path.exists("/dev/shm/resilient-" + run_id) else []
+    root = job_dir("/dev/shm", default_run_id(run_dir))
+    return os.listdir(root) if root.exists() else []
 
 
 def test_worker_kill_restores_from_local_ram_bitwise(corpus, tmp_path):

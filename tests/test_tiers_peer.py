@@ -12,8 +12,7 @@ import pytest
 from launchutil import REPO, Agent, digests, events, run_launch, steps_done, tiny_overrides, wait_for
 from resilient.etcd.testing import embedded_etcd
 from resilient.launch import default_run_id
-from resilient.snapshot.nodestore import job_dir
-from resilient.snapshot.storeroot import reclaim_run
+from resilient.snapshot.nodestore import job_dir, reclaim
 
 DEMO = REPO / "configs" / "demo.toml"
 STEPS = 30
@@ -53,7 +52,7 @@ def test_node_kill_restores_from_peer_ram_bitwise(corpus, tmp_path):
             for agent in (a, b, c):
                 if agent is not None:
                     agent.close()
-            reclaim_run("/dev/shm", run_id(run))
+            reclaim("/dev/shm", run_id(run))
     restores = [e for e in events(run, "restore") if e["step"] > 0]
     by_node = {e["node"]: e["tier"] for e in restores}
     assert by_node == {"a": "local", "c": "peer"}, restores

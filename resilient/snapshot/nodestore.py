@@ -47,7 +47,7 @@ from resilient.procs import OWNER, owner_alive, owner_record
 from resilient.snapshot.format import crc, parse_version_dir, version_dir
 from resilient.snapshot.mapping import MAPPINGS, mapped
 from resilient.snapshot.storefull import out_of_space
-from resilient.snapshot.storeroot import KEPT, private_dir, private_root, reclaim_other_runs, user_root
+from resilient.snapshot.storeroot import KEPT, private_dir, private_root, reclaim_other_runs, reclaim_run, user_root
 
 SPARES = ".spare"  # retired data files, rewritten in place by the next writers (see Spares)
 BELL = ".bell"     # the agent's doorbell socket: a rank rings it when a version landed (see Doorbell)
@@ -60,6 +60,11 @@ _RANK = re.compile(r"/r(\d{5})(?:-p\d{4}\.bin|\.json)$")
 def job_dir(base: str | os.PathLike, run_id: str) -> Path:
     """A run's directory of node trees, under this user's private root (:mod:`.storeroot`)."""
     return user_root(base) / f"resilient-{run_id}"
+
+
+def reclaim(base: str | os.PathLike, run_id: str) -> list[str]:
+    """Remove this run's trees whose agent is gone (the run is over: nothing will adopt them)."""
+    return reclaim_run(base, run_id)
 
 
 def check_rel(rel: str) -> str:
