@@ -22,6 +22,7 @@ version retired to spares first, as the agent's retention does.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import shutil
 import statistics
@@ -58,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         state = {f"t{i}": torch.randn(n // 96 + (i < n % 96)) for i in range(96)}  # demo-like: 96 tensors
         junk = torch.empty(16 << 20)
         writes = []
-        with Snapshotter(a.url, every=1, commit=False, compress="none") as snap:  # as TrainState writes a node store
+        # As TrainState writes a node store: signed where the checkout signs versions (its chunk
+        # MACs are part of the capture's cost), so an A/B against an older checkout compares both.
+        signs = "secret" in inspect.signature(Snapshotter).parameters
+        with Snapshotter(a.url, every=1, commit=False, compress="none", **({"secret": SECRET} if signs else {})) as snap:
             for i in range(args.reps + 3):
                 a.retain({i}, below=i)
                 junk.fill_(float(i))
