@@ -26,7 +26,7 @@ EVENTS = frozenset({
     # worker
     "run_start", "step", "eval", "run_end", "worker_error",
     # snapshots
-    "snapshot", "commit", "upload", "upload_error", "restore", "restore_fallback", "gc", "store_full",
+    "snapshot", "commit", "upload", "upload_error", "restore", "restore_fallback", "gc", "store_full", "store_adopted",
     "snapshot_interval",
     # agent and rendezvous
     "agent_start", "agent_stop", "rendezvous", "workers_started", "failure",
