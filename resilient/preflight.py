@@ -185,6 +185,11 @@ def check_node_store(plan: NodePlan) -> CheckResult:
     if not base.is_dir():
         return CheckResult(name, Status.FAIL, f"snapshot.store_dir {base} does not exist",
                            "create it (a tmpfs) or set snapshot.store_dir to an existing tmpfs directory")
+    from resilient.snapshot.storeroot import privacy_problem
+
+    problem = privacy_problem(base)
+    if problem is not None:  # another user could read or replace the store: never used
+        return CheckResult(name, Status.FAIL, problem, "see the message: the store must be this user's alone")
     free, kind = _free_bytes(base), _fs_type(base)
     if plan.params is None:
         return CheckResult(name, Status.OK, f"{base}: {_mib(free)} free ({kind or 'unknown fs'}); the state size "

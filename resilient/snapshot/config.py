@@ -50,7 +50,7 @@ class SnapshotConfig:
     chunk_mib: int = knob(16, "durable format: cut each shard into chunks of at most this many MiB (one checksum each; a resharding reader fetches at most one extra chunk per boundary)")
     part_mib: int = knob(64, "durable tier: pack a rank's chunks into objects of about this many MiB (one PUT and one retry unit each)")
     memory: bool = knob(True, "under `resilient launch`: write every captured version into the node's shared-memory store and replicate it to peers (local and peer RAM tiers)")
-    store_dir: str = knob("/dev/shm", "tmpfs directory that holds the node store (STORE_DIR/resilient-<run_id>/<node>/)")
+    store_dir: str = knob("/dev/shm", "tmpfs directory that holds the node store (STORE_DIR/resilient-u<uid>/resilient-<run_id>/<node>/: a 0700 root per user, checked before use; owned by you or root, sticky if others may write it)")
     store_keep: int = knob(2, "node store: keep the newest N versions (plus the newest committed one)")
     replicas: int = knob(1, "peer RAM: copies of each node's shards on other nodes (other failure domains first); 0 = local RAM only")
     replicate_mib_s: float = knob(0.0, "peer RAM: cap on each replication stream in MiB/s, so it shares the link with training; 0 = unlimited")

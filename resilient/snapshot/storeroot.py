@@ -106,6 +106,21 @@ def private_dir(path: Path, what: str) -> None:
                               "relaunch; it is made 0700", str(path))
 
 
+def privacy_problem(base: str | os.PathLike) -> str | None:
+    """Why node stores under ``base`` would be refused (:class:`StoreNotPrivate`'s message), or
+    None; creates nothing (the preflight asks before anything starts)."""
+    base = Path(base)
+    try:
+        if base.exists():
+            _check_base(base)
+        root = user_root(base)
+        if os.path.lexists(root):
+            private_dir(root, "the node-store root")
+    except StoreNotPrivate as e:
+        return str(e)
+    return None
+
+
 def private_root(base: str | os.PathLike) -> Path:
     """This user's root under ``base``, created 0700 if absent and checked (see the module doc)."""
     base = Path(base)
