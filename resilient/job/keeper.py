@@ -84,9 +84,12 @@ def _job_secret(store: StoreInfo | None, run_dir: Path) -> bytes:
     (created 0600 by the first process; nodes that share no run dir must be given one)."""
     if store is not None:
         return store.secret()
-    from resilient.secret import provide_job_secret
+    from resilient.secret import resolve_secret, run_dir_secret
 
-    return provide_job_secret(run_dir).material
+    # (not provide_job_secret: that names the file in this process's environment, for the
+    # agent's children; a script's own process keeps its environment as it was)
+    found = resolve_secret() or resolve_secret(run_dir_secret(run_dir))
+    return found.material
 
 
 def durable_url(cfg: SnapshotConfig, run_dir: Path) -> str:
