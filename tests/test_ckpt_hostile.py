@@ -116,3 +116,54 @@ def test_malformed_manifests_give_typed_problems_in_bounded_memory(base, tensor,
         man.write_text(pristine)
     assert peak < 64 << 20, f"{field}={value}: {peak / 2**20:.0f} MiB"
     assert report.ok or all(p.problem for p in report.problems)
+
+
+def _dcp(tmp_path, edit) -> str:
+    """A real DCP folder whose ``.metadata`` ``edit(meta)`` crafts (written back as DCP writes it)."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from resilient_tools.importer import read_dcp_metadata
+
+    folder = str(tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model.w": torch.randn(4, 4)}, checkpoint_id=folder)
+    meta = read_dcp_metadata(folder)
+    edit(meta)
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        pickle.dump(meta, f)
+    return folder
+
+
+def test_a_dcp_path_climbing_out_of_its_folder_is_refused(tmp_path, capsys):
+    import dataclasses
+
+    from resilient_tools.cli import main as ckpt
+
+    def escape(meta):
+        for k, info in list(meta.storage_data.items()):
+            meta.storage_data[k] = dataclasses.replace(info, relative_path="../../../../../../etc/passwd")
+
+    folder = _dcp(tmp_path, escape)
+    assert ckpt(["-q", "import", folder, str(tmp_path / "out"), "--from", "torch-dcp"]) == 2
+    err = capsys.readouterr().err
+    assert "ConvertError" in err and "outside the checkpoint folder" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dcp_tensor_claiming_a_tebibyte_is_a_typed_error(tmp_path, capsys):
+    import dataclasses
+
+    from resilient_tools.cli import main as ckpt
+
+    def huge(meta):
+        v = meta.state_dict_metadata["model.w"]
+        meta.state_dict_metadata["model.w"] = dataclasses.replace(v, size=torch.Size([1 << 38, 1]))  # 1 TiB fp32
+
+    folder = _dcp(tmp_path, huge)
+    assert ckpt(["-q", "import", folder, str(tmp_path / "out"), "--from", "torch-dcp"]) == 2
+    err = capsys.readouterr().err
+    assert "ConvertError" in err and "GiB" in err and "Traceback" not in err
