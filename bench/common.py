@@ -249,6 +249,8 @@ class Job:
         """Kill the job's process group and every descendant (``kill_node``) and drop its node store."""
         self.kill_node()
         # A node store killed with its agent stays in tmpfs (by design: it outlives workers).
+        from resilient.snapshot.nodestore import job_dir
+
         for e in self.events("agent_start"):
             if e.get("run_id"):
                 drop_dir(job_dir("/dev/shm", e["run_id"]))

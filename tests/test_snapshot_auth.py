@@ -156,8 +156,6 @@ def test_ckpt_verify_finds_the_forgery_only_with_the_secret_and_tool_output_is_s
 
 def test_the_committer_refuses_a_rank_manifest_it_cannot_authenticate(tmp_path):
     """A rank manifest put into the durable tier beside the ranks' own is not merged and signed."""
-    import torch.distributed as dist  # noqa: F401  (single process: world 1)
-
     url = (tmp_path / "ckpt").as_uri()
     events = EventLog(tmp_path / "events.jsonl")
     with Snapshotter(url, secret=SECRET, events=events, compress="none") as snap:

@@ -5,8 +5,6 @@ the newcomer restores its shards from the survivor's RAM (``restore`` tier
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from launchutil import REPO, Agent, digests, events, run_launch, steps_done, tiny_overrides, wait_for

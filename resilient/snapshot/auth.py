@@ -160,14 +160,6 @@ class VersionAuth:
         return body
 
 
-def unsigned_body(data: bytes) -> bytes:
-    """A manifest's bytes without its MAC field (for a reader that holds no secret: the MAC
-    is not checked, the rest parses as before)."""
-    data = bytes(data)
-    m = _MANIFEST_MAC.search(data)
-    return data if m is None else data[:m.start()] + b"}"
-
-
 def check_chunk(auth: VersionAuth | None, step: int, chunk: ChunkRecord, stored: Any, where: str,
                 raw_of=None) -> Any:
     """Check a chunk's stored bytes before anything uses them; returns its raw bytes.
@@ -198,8 +190,8 @@ def report(events: Any, error: SnapshotError) -> None:
     if isinstance(error, SnapshotUnauthentic):
         from resilient.secret import report_unauthentic
 
-        report_unauthentic(events, "snapshot", error.obj or "", error)
+        key = error.obj or ""
+        report_unauthentic(events, "snapshot", key, str(error).removeprefix(f"{key}: "))
 
 
-__all__ = ["VersionAuth", "SnapshotUnauthentic", "SnapshotUnsigned", "check_chunk", "unsigned_body", "report",
-           "SnapshotCorrupt"]
+__all__ = ["VersionAuth", "SnapshotUnauthentic", "SnapshotUnsigned", "check_chunk", "report"]
