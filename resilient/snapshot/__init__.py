@@ -3,12 +3,14 @@
 - :class:`Snapshotter`     save (async) / restore for a training loop
 - :class:`SnapshotReader`  streaming reads for tools: versions, manifests, regions
 - :mod:`.api`              records and typed errors; docs/format.md: the format
+- :mod:`.auth`             every version signed with the job secret (manifest HMAC, chunk GMAC)
 """
 
 from resilient.snapshot.api import (
     ChunkRecord, FormatVersionError, Manifest, NoSnapshotFound, Restored, SnapshotCorrupt,
     SnapshotError, SnapshotIncomplete, SnapshotMismatch, StorageError, TensorRecord,
 )
+from resilient.snapshot.auth import SnapshotUnauthentic, SnapshotUnsigned, VersionAuth
 from resilient.snapshot.boxes import Box
 from resilient.snapshot.reader import SnapshotReader, VersionInfo
 from resilient.snapshot.retention import collect_garbage
@@ -20,5 +22,5 @@ __all__ = [
     "Snapshotter", "SnapshotReader", "VersionInfo", "Box", "RetryPolicy", "Restored", "collect_garbage",
     "rng_state", "set_rng_state", "Manifest", "TensorRecord", "ChunkRecord",
     "SnapshotError", "SnapshotCorrupt", "SnapshotIncomplete", "SnapshotMismatch",
-    "FormatVersionError", "NoSnapshotFound", "StorageError",
+    "FormatVersionError", "NoSnapshotFound", "StorageError", "SnapshotUnauthentic", "SnapshotUnsigned", "VersionAuth",
 ]
