@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from resilient.secret import JobSecret
+from resilient.snapshot.api import SnapshotIncomplete
 from resilient.snapshot.peer import PIECE, TAG, PeerClient, PeerError, PeerServer, PeerTampered, _Channel
 
 REL = "step-000000000007/abc123-000001/r00003-p0000.bin"
@@ -182,3 +183,49 @@ def test_pieces_are_tagged_one_by_one(peer_server):
         assert c.get(REL) == big
         # sent: the put header, 3 pieces, the get header; received: the put reply, the get reply, 3 pieces
         assert c.chan.sent == 5 and c.chan.received == 5
+
+
+def test_a_truncated_push_stores_nothing_and_a_recorded_one_cannot_be_replayed(peer_server):
+    """A put cut off mid-payload (the sender died, the link dropped) leaves no file; the bytes of a
+    whole put recorded off the wire and sent again on a new connection are refused at its handshake."""
+    store, srv = peer_server
+    host, _, port = srv.address.rpartition(":")
+    # truncated: the header promises the whole payload, half of it comes, then the connection ends
+    with PeerClient(srv.address, SECRET) as c:
+        c.chan.send({"op": "put", "path": REL, "size": len(PAYLOAD), "crc": 0})
+        half = memoryview(PAYLOAD)[:len(PAYLOAD) // 2]
+        c.sock.sendall(half)
+    with PeerClient(srv.address, SECRET) as c:  # the server lives on; nothing was stored
+        with pytest.raises(SnapshotIncomplete):
+            c.get(REL)
+    assert not store.file(REL).exists()
+    # replayed: a proxy records a genuine put; its bytes sent again on a fresh connection
+    proxy = FlipProxy((host, int(port)))
+    recorded = bytearray()
+    real_pump = proxy._pump
+
+    def recording(src, dst, direction):
+        if direction == "c2s":
+            while data := src.recv(65536):
+                recorded.extend(data)
+                dst.sendall(data)
+            return
+        real_pump(src, dst, direction)
+
+    proxy._pump = recording
+    try:
+        with PeerClient(proxy.address, SECRET) as c:
+            c.put(REL, PAYLOAD)
+    finally:
+        proxy.close()
+    store.file(REL).unlink()
+    import socket as _socket
+    with _socket.create_connection((host, int(port)), timeout=10) as s:
+        s.settimeout(10)
+        s.sendall(bytes(recorded))
+        try:
+            while s.recv(65536):
+                pass
+        except OSError:
+            pass
+    assert not store.file(REL).exists(), "a replayed push was stored"
