@@ -131,10 +131,12 @@ class NodeStore:
                 tmp.mkdir(mode=0o700, exist_ok=True)
                 break
             except FileNotFoundError:
-                # Another agent's reclaim removed the run's directory while it was still
-                # empty, between our mkdir of it and of our tree: make it again.
+                # Another agent's reclaim (or remove) took the run's directory, or this user's
+                # root, while it was still empty, between our mkdir of it and of our tree:
+                # make it again, checked as the first time.
                 if attempt == 99:
                     raise
+                private_root(self.base)
         (tmp / OWNER).write_text(owner_record(node=self.node))
         os.rename(tmp, self.path)
         return reclaimed
@@ -157,10 +159,11 @@ class NodeStore:
     def remove(self) -> None:
         MAPPINGS.clear()  # they would keep the removed files' pages alive
         shutil.rmtree(self.path, ignore_errors=True)
-        try:
-            self.path.parent.rmdir()
-        except OSError:
-            pass
+        for empty in (self.path.parent, self.path.parent.parent):  # the run's directory, this user's root
+            try:
+                empty.rmdir()
+            except OSError:
+                break
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.path)

@@ -194,10 +194,11 @@ def node_trees(base: str | os.PathLike, sizes: bool = False) -> list[KeptTree]:
 
 def drop(tree: KeptTree) -> None:
     shutil.rmtree(tree.path, ignore_errors=True)
-    try:
-        tree.path.parent.rmdir()  # the run's directory, once empty
-    except OSError:
-        pass
+    for empty in (tree.path.parent, tree.path.parent.parent):  # the run's directory, this user's root
+        try:
+            empty.rmdir()
+        except OSError:
+            break
 
 
 def reclaim_other_runs(base: str | os.PathLike, run_id: str) -> list[str]:
