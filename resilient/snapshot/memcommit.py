@@ -70,7 +70,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from resilient.errors import ConfigError
-from resilient.secret import COMMIT, HOLDS, JobSecret, Unauthentic, read_records, report_unauthentic
+from resilient.secret import COMMIT, HOLDS, JobSecret, Unauthentic, report_unauthentic
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete
 from resilient.snapshot.auth import VersionAuth, report as report_auth
 from resilient.snapshot.durable import merge_rank_manifests
@@ -78,34 +78,11 @@ from resilient.snapshot.format import object_crcs, rank_manifest_boxes, version_
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError
 from resilient.snapshot.leadcommit import LeaderCommit, group_of, leader_key, merge_holds  # noqa: F401 (leader_key: re-exported)
+from resilient.snapshot.commits import commit_key, commit_prefix, holds_prefix, read_commits  # noqa: F401 (re-exported)
 from resilient.snapshot.placement import place, replica_order
 from resilient.snapshot.priority import REPLICATION_NICE, background_priority
 
 log = logging.getLogger(__name__)
-
-
-def commit_prefix(run_id: str, tier: str) -> str:
-    return f"/resilient/{run_id}/commit/{tier}/"
-
-
-def commit_key(run_id: str, tier: str, step: int) -> str:
-    return f"{commit_prefix(run_id, tier)}{step:012d}"
-
-
-def holds_prefix(run_id: str, step: int) -> str:
-    return f"/resilient/{run_id}/mem/holds/{step:012d}/"
-
-
-def read_commits(client, run_id: str, secret: JobSecret | bytes, events: Any = None) -> list[dict]:
-    """Every commit record of the run (both tiers) that authenticates, with a well-formed step."""
-    out = []
-    for rec in read_records(client, f"/resilient/{run_id}/commit/", COMMIT, secret, events, "commit record").values():
-        try:
-            rec["step"] = int(rec["step"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        out.append(rec)
-    return out
 
 
 @dataclass

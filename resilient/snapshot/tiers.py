@@ -95,7 +95,7 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None) -> list[dic
     """Rank 0: memory versions restorable from live holders, newest first (JSON-able).
     Only registry entries and commit records that authenticate with the job secret count."""
     from resilient.secret import REGISTRY, read_records
-    from resilient.snapshot.memcommit import read_commits
+    from resilient.snapshot.commits import read_commits
 
     secret = info.secret()
     with info.client() as client:
