@@ -114,7 +114,7 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None) -> list[dic
                 have["holders"][r] = have["holders"].get(r, []) + [n for n in h if n not in have["holders"].get(r, [])]
     plan = []
     kept_by: dict[int, set[str]] = {}   # step -> nodes whose adopted tree holds it (incarnation aside)
-    for step, attempt, world, holders in kept_versions(live):
+    for step, attempt, world, holders in kept_plans(live):
         rec = records.get(step)
         if rec is not None and rec["attempt"] != attempt:
             continue  # a commit record names another write of that step: it wins
@@ -142,7 +142,7 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None) -> list[dic
     return plan
 
 
-def kept_versions(live: dict[str, dict]) -> list[tuple[int, str, int, dict[str, list[str]]]]:
+def kept_plans(live: dict[str, dict]) -> list[tuple[int, str, int, dict[str, list[str]]]]:
     """Versions that the live nodes' adopted trees hold (their registry entries' ``kept``: trees
     dead agents of this run left on their machines, :mod:`.storeroot`), as ``(step, attempt,
     world, {rank: [nodes]})`` where every rank has a holder. A hint to plan with: the restore
