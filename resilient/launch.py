@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from resilient.errors import ConfigError, LaunchError
 from resilient.launch_args import LaunchUsageError, add_arguments, parse_args  # noqa: F401  (the command line)
+from resilient.rundir import RunDirUnsafe, local_path, private_dir, write_private
 
 if TYPE_CHECKING:
     from resilient.runconfig import LaunchConfig, RuntimeConfig
@@ -274,13 +275,24 @@ def prepare_run(args: argparse.Namespace, gpt: ProgramFactory | None = None) -> 
     node = args.node_id or socket.gethostname()
     run_dir = Path(args.run_dir or Path("runs") / program.name).resolve()
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        private_run_dir(run_dir, program.runtime.snapshot.durable_url)
         runtime_config = write_content_addressed(run_dir, "runtime", program.runtime.to_json())
         worker_argv = program.argv(run_dir, node)
+    except RunDirUnsafe:
+        raise
     except OSError as e:
         raise LaunchError(f"cannot use run dir {run_dir}: {e.strerror or e}; pass --run-dir with a writable "
                           "directory (it holds the events, the config and the checkpoints)") from e
     return Run(program, run_dir, node, nproc, nnodes, max_restarts, worker_argv, runtime_config)
+
+
+def private_run_dir(run_dir: Path, durable_url: str) -> None:
+    """The run dir, and the ``file://`` durable tier when it lies in it (by default
+    ``RUN_DIR/checkpoints``), created or checked private (:mod:`resilient.rundir`)."""
+    private_dir(run_dir)
+    durable = local_path(durable_url) if durable_url else run_dir / "checkpoints"
+    if durable is not None and durable.is_relative_to(run_dir) and durable != run_dir:
+        private_dir(durable, "durable tier (snapshot.durable_url)", narrow=True)
 
 
 def write_content_addressed(run_dir: Path, stem: str, doc: str) -> Path:
@@ -293,12 +305,7 @@ def write_content_addressed(run_dir: Path, stem: str, doc: str) -> Path:
     config, or half of one."""
     path = run_dir / f"{stem}-{hashlib.sha256(doc.encode()).hexdigest()[:16]}.json"
     for target in (path, run_dir / f"{stem}.json"):
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(doc)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file
+        write_private(target, doc)   # 0600 whatever the umask: the configs are the job user's alone
     return path
 
 

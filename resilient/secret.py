@@ -158,17 +158,32 @@ class JobSecret:
 
 
 # ------------------------------------------------------------------ where it comes from
-def _read_file(path: str | os.PathLike, source: str) -> JobSecret:
+def _read_file(path: str | os.PathLike, source: str, run_dir: bool = False) -> JobSecret:
+    """``run_dir``: the run dir's own secret, which this user's agent made: never through a
+    link, and only if this user owns it. A given file may be a link (a Kubernetes Secret
+    volume's are) and may belong to root (which could forge anything anyway)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if run_dir else 0))
     except FileNotFoundError:
         raise JobSecretError(f"job secret file {path} (from {source}) does not exist; {_HOW}") from None
     except OSError as e:
+        if run_dir and os.path.islink(path):
+            raise JobSecretError(f"job secret file {path} (from {source}) is a symbolic link: whoever made it "
+                                 f"chose the secret. Remove it if you did not make it; the next launch creates a "
+                                 f"new one") from None
         raise JobSecretError(f"job secret file {path} (from {source}) cannot be read ({e.strerror}); {_HOW}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise JobSecretError(f"job secret file {path} (from {source}) is not a regular file")
+        if st.st_uid not in ((os.geteuid(),) if run_dir else (os.geteuid(), 0)):
+            from resilient.rundir import owner_name
+
+            raise JobSecretError(
+                f"job secret file {path} (from {source}) is owned by {owner_name(st.st_uid)}, not by you: whoever "
+                f"wrote it knows the secret and could forge every record of the job. Use a secret file of your own"
+                + (f"; remove {path} if you know where it came from (the next launch creates a new one), or "
+                   f"pass another --run-dir" if run_dir else ""))
         # Others may not read it; a group may (a Kubernetes Secret mounted with fsGroup is
         # 0440) but not write it (whoever can rewrite the secret can forge everything).
         if st.st_mode & 0o027:
@@ -212,9 +227,13 @@ def require_secret(secret_file: str | os.PathLike | None = None, what: str = "th
 def run_dir_secret(run_dir: str | os.PathLike) -> Path:
     """``RUN_DIR/job.secret``, created (mode 0600) if absent. Concurrent first agents agree:
     each writes its own candidate aside and links it into place, so exactly one wins and a
-    reader never sees a half-written file."""
-    path = Path(run_dir) / RUN_DIR_SECRET
-    if path.exists():
+    reader never sees a half-written file. The run dir must be this user's alone
+    (:func:`resilient.rundir.private_dir`: a run dir another user made, with a secret of
+    theirs in it, is refused, never adopted)."""
+    from resilient.rundir import private_dir
+
+    path = private_dir(run_dir) / RUN_DIR_SECRET
+    if os.path.lexists(path):
         return path
     tmp = path.with_name(f".{RUN_DIR_SECRET}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -243,7 +262,7 @@ def provide_job_secret(run_dir: str | os.PathLike, secret_file: str | os.PathLik
             os.environ[SECRET_FILE_ENV] = str(Path(secret_file).resolve())
         return given
     path = run_dir_secret(run_dir)
-    found = _read_file(path, "the run dir")
+    found = _read_file(path, "the run dir", run_dir=True)
     os.environ[SECRET_FILE_ENV] = str(path.resolve())
     return found
 
