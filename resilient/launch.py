@@ -542,7 +542,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             worker_entry=program.entry, worker_argv=run.worker_argv, worker_preload=program.preload,
             worker_env=worker_env(nproc), worker_heartbeats=program.heartbeats,
             runtime_config=str(run.runtime_config),
-            metrics_port=lc.metrics_port if lc.metrics_port >= 0 else None,
+            metrics_port=lc.metrics_port if lc.metrics_port >= 0 else None, metrics_host=lc.metrics_host,
+            durable_url=program.runtime.snapshot.durable_url,
         )
         spec = WorkerSpec(role="trainer", local_world_size=nproc, rdzv_handler=handler,
                           entrypoint=sys.executable, args=(), max_restarts=run.max_restarts,

@@ -192,7 +192,7 @@ class ResilientAgent(SimpleElasticAgent):
         # least import while the rendezvous runs.
         try:
             if self.metrics is not None:
-                address = self.metrics.serve(self.settings.metrics_port)
+                address = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
                 self.events.emit("metrics", address=address)
                 if self.registry is not None:  # where `resilient status` and service discovery find it
                     self.registry.update(metrics=address)
