@@ -498,6 +498,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     from resilient.agent.quarantine import Quarantine
     from resilient.etcd.server import embedded_etcd_conf
     from resilient.events import EventLog
+    from resilient.ledger import run_copies
     from resilient.rendezvous import client_from_params, register
     from resilient.rendezvous.registry import parse_rdzv_conf
     from resilient.secret import provide_job_secret
@@ -507,6 +508,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     min_nodes, max_nodes = run.nnodes
     run_id = args.run_id or default_run_id(run_dir)
     events = EventLog(run_dir / "events.jsonl", node=node, rank=-1)
+    # The quarantine's copies beside etcd's, where a relaunch finds them (resilient.ledger)
+    ledger = run_copies(run_dir, program.runtime.snapshot.durable_url)
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"})
     # The job secret (given, or RUN_DIR/job.secret), named in the environment for the rendezvous,
     # registry, quarantine and node store of this process and for the workers: resilient.secret.
@@ -551,7 +554,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
         agent, succeeded = None, False
         try:
             registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
-            Quarantine(client, run_id).refuse_if_quarantined(node, endpoint)
+            quarantine = Quarantine(client, run_id, copies=ledger)
+            quarantine.refuse_if_quarantined(node, clear_hint(args, run_dir, run_id))
             registry.claim(job=program.job_digest)
             try:
                 refuse_other_jobs(registry, program.job_digest, timedelta(seconds=lc.node_lease_ttl))
@@ -563,6 +567,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
                         domain=args.domain or node)
             result = agent.run()
             succeeded = result is not None and not agent.quarantined and not result.is_failed()
+            if agent.quarantined:
+                others = nodes_left(registry, quarantine)
         finally:
             if agent is not None:
                 agent.leave(close_rendezvous=succeeded)
@@ -570,8 +576,43 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
         if result is None:  # the rendezvous was closed: the job ended elsewhere
             return 0
         if agent.quarantined:
-            raise LaunchError(f"node {node!r} was quarantined: one of its devices computed wrong answers "
-                              f"(see the sdc_* events in {run_dir / 'events.jsonl'}); the other nodes go on without it")
+            raise LaunchError(quarantined_message(node, others, min_nodes, run_dir, clear_hint(args, run_dir, run_id)))
         if result.is_failed():
             raise LaunchError(f"training failed: {agent.give_up_reason(result)}; see {run_dir / 'events.jsonl'}")
     return 0
+
+
+def clear_hint(args: argparse.Namespace, run_dir: Path, run_id: str) -> str:
+    """The options of ``resilient quarantine clear NODE`` that reach this run's records."""
+    hint = f"--run-dir {shlex.quote(str(run_dir))}"
+    if args.run_id:
+        hint += f" --run-id {run_id}"
+    if args.rdzv_endpoint:
+        hint += f" --rdzv-endpoint {args.rdzv_endpoint}"
+    return hint
+
+
+def nodes_left(registry, quarantine) -> list[str] | None:
+    """The live nodes of the run but this one and the quarantined (None: etcd cannot say)."""
+    try:
+        alive, out = registry.alive(), quarantine.all()
+    except Exception:   # etcd gone: unknown, not none
+        return None
+    if alive is None:
+        return None
+    return sorted(n for n in alive if n != registry.node_id and n not in out)
+
+
+def quarantined_message(node: str, others: list[str] | None, min_nodes: int, run_dir: Path, hint: str) -> str:
+    """Why this node stopped, and what is next: the others go on, or, with fewer than the job's
+    minimum left (the only node, say), the job cannot go on here until the node is cleared or replaced."""
+    why = (f"node {node!r} was quarantined: one of its devices computed wrong answers (see the sdc_* events in "
+           f"{run_dir / 'events.jsonl'}), and it is refused until cleared")
+    clear = f"`resilient quarantine clear {node} {hint}`"
+    if others is not None and len(others) >= min_nodes:
+        return (f"{why}; the other nodes ({', '.join(others)}) go on without it. After checking or replacing its "
+                f"hardware: {clear}")
+    left = "no node is left" if not others else f"{len(others)} node(s) are left ({', '.join(others)})"
+    return (f"{why}. The job cannot go on here: {left}, fewer than its minimum of {min_nodes}. Check or replace "
+            f"the device, then clear the node with {clear} and relaunch; or launch the job on healthy nodes "
+            f"(another machine, or --node-id of a spare)")

@@ -86,11 +86,16 @@ def _check_parent(path: Path, what: str) -> None:
 
 
 def private_dir(path: str | os.PathLike, what: str = "run dir", narrow: bool = False) -> Path:
-    """``path`` as a directory only this user can change: created 0700 (parents as ``mkdir -p``
-    makes them) if absent, else checked (module docstring). ``narrow``: an existing one readable
+    """``path`` as a directory only this user can change: created 0700 (missing parents too) if
+    absent, else checked (module docstring). ``narrow``: an existing one readable
     by others is made 0700 (a subdirectory the job owns, not a run dir a user chose)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    missing = [p for p in path.parents if not os.path.lexists(p)]
+    for parent in reversed(missing):   # as mkdir -p, but 0700: under umask 0 a 0777 parent is refused below
+        try:
+            os.mkdir(parent, 0o700)
+        except FileExistsError:
+            pass
     _check_parent(path, what)
     try:
         os.mkdir(path, 0o700)

@@ -16,10 +16,13 @@ Where the secret comes from (first found):
 3. the value of ``$RESILIENT_JOB_SECRET``;
 4. single-machine default (``resilient launch`` only): ``RUN_DIR/job.secret``,
    created with mode 0600 by the first agent (atomically: written aside, then
-   linked into place), read by the others on the same run dir.
+   linked into place), read by the others on the same run dir. Only in a run
+   dir of this user's own (:mod:`resilient.rundir`), never through a link, and
+   only if this user owns the file: a run dir another user made first, with a
+   secret of theirs in it, is refused, never adopted.
 
-A secret file that other users can read (or that its group can write) is
-refused. The secret is text of at least 32 characters (``secrets.token_hex(32)``
+A secret file that other users can read (or that its group can write), or that
+belongs to another user than this one or root, is refused. The secret is text of at least 32 characters (``secrets.token_hex(32)``
 makes one); its bytes are the key material. Each use derives its own key
 (HMAC-SHA256 of a purpose label), and every MAC covers the etcd key a record
 lives under, so a record cannot be moved to another key, run or purpose.
@@ -29,6 +32,40 @@ keys, no spaces) and its etcd key; readers that only display records keep
 parsing them. Blobs (torch's pickled rendezvous state) are sealed as
 ``MAGIC + tag + payload``. What fails is :class:`Unauthentic`, reported once a
 minute per key (log warning and an ``auth_failure`` event) and never used.
+
+Replay. A MAC says who wrote a record, not that it is still current: a writer
+of etcd who saved a genuine record can put it back after it was superseded. So
+the records whose going back would matter are bound to what supersedes them,
+and the highest counter, not etcd's copy, is the truth:
+
+- a node's quarantine (:mod:`resilient.agent.quarantine`) carries a generation
+  ``gen``; a clear is not a delete but a newer record saying ``cleared``. The
+  records live in the run's ledger (:mod:`resilient.ledger`): etcd, the run dir
+  (``RUN_DIR/ledger``, private) and the durable tier, each write one generation
+  above the highest of every copy it reads, each reader taking the highest
+  generation of every copy that authenticates. A cleared quarantine put back
+  in etcd is older than the clear in the run dir: it stays cleared; a
+  quarantine deleted from etcd is still in the others: it stays quarantined.
+- commit records carry the run's *epoch* (its incarnation: the count of its
+  rollbacks, :mod:`resilient.snapshot.epoch`); a rollback raises the epoch, in
+  the ledger, and records the step it kept. A commit of a later step made in an
+  earlier epoch is abandoned, refused by every reader, put back or not; the
+  committers fence their commits on the epoch, so none races a rollback.
+
+Where the monotonic truth lives, and against whom it holds: in the highest
+counter over the ledger's copies. Someone who can write etcd but has neither
+the secret nor the run dir nor the durable tier can delete, put back or forge
+etcd's copy and changes nothing a reader with another copy believes (a forgery
+fails its MAC; a replay is older than the copy in the run dir or the durable
+tier). Whoever also writes the durable tier can roll back its copy too: the run
+dir's still wins on its machine. With etcd as the only copy (a reader on a
+machine without the run dir, a job without a durable tier it can reach), an
+etcd writer can roll records back: a cleared quarantine comes back (a node
+refused), an abandoned commit record is believed again (a restore may load the
+abandoned future from node RAM, if its holders still keep it); so give a fleet a
+durable tier every node reaches, and ``resilient quarantine clear`` warns when
+etcd was all it reached.
+What nobody without the secret can do is write a record any reader accepts.
 """
 
 from __future__ import annotations
