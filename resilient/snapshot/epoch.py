@@ -31,12 +31,15 @@ others in the new epoch. No extra etcd request in the common path.
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from resilient.ledger import Copy, EtcdCopy, Ledger
 from resilient.secret import COMMIT, JobSecret, Unauthentic, read_records, report_unauthentic
+
+log = logging.getLogger(__name__)
 
 MAX_FLOORS = 256
 
@@ -171,9 +174,19 @@ class EpochFence:
     def __init__(self, client, run_id: str, secret: JobSecret | bytes, events: Any = None):
         self.client, self.key = client, epoch_key(run_id)
         self._secret, self._events = JobSecret.of(secret), events
-        self.epoch, self.revision, self.learned_at = Epoch(), 0, time.time()
+        self.epoch, self.revision, self.learned_at = Epoch(), 0, 0.0
         self._newest_floor: int | None = None
         self._known = False
+
+    @classmethod
+    def start(cls, client, run_id: str, secret: JobSecret | bytes, events: Any = None) -> "EpochFence":
+        """A fence that knows the epoch from now (etcd unreachable: from its first commit)."""
+        fence = cls(client, run_id, secret, events)
+        try:
+            fence.refresh()
+        except Exception as e:   # the first commit asks again, and says so if it fails
+            log.debug("could not read the run's epoch yet: %s", e)
+        return fence
 
     def _learn(self, kv) -> None:
         """Take etcd's copy ``kv`` (None: absent), if newer than what is known. etcd's alone: a
@@ -187,7 +200,9 @@ class EpochFence:
             except Unauthentic as e:   # forged: what we knew still holds
                 report_unauthentic(self._events, "commit epoch record", self.key, e)
         if best.gen > self.epoch.gen:
-            self.epoch, self.learned_at = best, time.time()
+            # news only once something was known: what the first read finds was there before
+            # this committer's versions (a new agent's store holds none of an older epoch's)
+            self.epoch, self.learned_at = best, time.time() if self._known else 0.0
             self._newest_floor = best.floors[-1][1] if best.floors else None
         self._known = True
 

@@ -171,7 +171,7 @@ class Replicator(LeaderCommit):
         self._target: tuple[str, int] = ("", -1)  # leading: (attempt, step) of the version gathered now
         self._placement: dict[str, list[str]] = {}
         self._placed_for: dict[str, str] | None = None
-        self._fence = EpochFence(client, run_id, self.secret, events)  # commits carry the run's epoch
+        self._fence = EpochFence.start(client, run_id, self.secret, events)  # commits carry the run's epoch
         if opts.protocol not in ("leader", "etcd"):
             raise ConfigError(f"snapshot commit protocol {opts.protocol!r}: use 'leader' or 'etcd'")
         self._thread = threading.Thread(target=self._run, name="snapshot-replicator", daemon=True)
