@@ -194,6 +194,11 @@ def main(argv: list[str]) -> int:
                  "(and --durable-url to reach the copies every node finds)")
     if args.action == "clear" and not args.node:
         ap.error("clear needs a NODE")
+    from resilient.launch import check_name   # ids name the records' files too (resilient.ledger)
+
+    check_name("--run-id", args.run_id)
+    if args.node:
+        check_name("NODE", args.node)
     secret = cli_secret(args)   # a clear is a newer record, sealed: it needs the secret too
     client = None
     if args.rdzv_endpoint:
