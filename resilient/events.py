@@ -8,7 +8,8 @@ agent or tool). The fields of each event kind are documented in
 kind is a bug (it raises), so the schema page stays true.
 
 Lines are appended with a single ``write`` on a file opened ``O_APPEND``, so
-several processes on one node can share the file without tearing lines.
+several processes on one node can share the file without tearing lines. The file
+is the job user's alone (mode 0600, :func:`resilient.rundir.open_private`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import socket
 import time
 from pathlib import Path
 from typing import Any, Iterator
+
+from resilient.rundir import open_private
 
 # Event kinds, grouped by who writes them. docs/events.md describes each.
 EVENTS = frozenset({
@@ -60,7 +63,8 @@ class EventLog:
         self._fd: int | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # 0600 whatever the umask, never through a link: a run's events are its user's alone
+            self._fd = open_private(self.path, what="event log")
 
     def emit(self, event: str, **fields: Any) -> dict:
         if event not in EVENTS:

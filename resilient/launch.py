@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from resilient.errors import ConfigError, LaunchError
 from resilient.launch_args import LaunchUsageError, add_arguments, parse_args  # noqa: F401  (the command line)
+from resilient.rundir import RunDirUnsafe, local_path, private_dir, write_private
 
 if TYPE_CHECKING:
     from resilient.runconfig import LaunchConfig, RuntimeConfig
@@ -274,13 +275,24 @@ def prepare_run(args: argparse.Namespace, gpt: ProgramFactory | None = None) -> 
     node = args.node_id or socket.gethostname()
     run_dir = Path(args.run_dir or Path("runs") / program.name).resolve()
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        private_run_dir(run_dir, program.runtime.snapshot.durable_url)
         runtime_config = write_content_addressed(run_dir, "runtime", program.runtime.to_json())
         worker_argv = program.argv(run_dir, node)
+    except RunDirUnsafe:
+        raise
     except OSError as e:
         raise LaunchError(f"cannot use run dir {run_dir}: {e.strerror or e}; pass --run-dir with a writable "
                           "directory (it holds the events, the config and the checkpoints)") from e
     return Run(program, run_dir, node, nproc, nnodes, max_restarts, worker_argv, runtime_config)
+
+
+def private_run_dir(run_dir: Path, durable_url: str) -> None:
+    """The run dir, and the ``file://`` durable tier when it lies in it (by default
+    ``RUN_DIR/checkpoints``), created or checked private (:mod:`resilient.rundir`)."""
+    private_dir(run_dir)
+    durable = local_path(durable_url) if durable_url else run_dir / "checkpoints"
+    if durable is not None and durable.is_relative_to(run_dir) and durable != run_dir:
+        private_dir(durable, "durable tier (snapshot.durable_url)", narrow=True)
 
 
 def write_content_addressed(run_dir: Path, stem: str, doc: str) -> Path:
@@ -293,12 +305,7 @@ def write_content_addressed(run_dir: Path, stem: str, doc: str) -> Path:
     config, or half of one."""
     path = run_dir / f"{stem}-{hashlib.sha256(doc.encode()).hexdigest()[:16]}.json"
     for target in (path, run_dir / f"{stem}.json"):
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(doc)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file
+        write_private(target, doc)   # 0600 whatever the umask: the configs are the job user's alone
     return path
 
 
@@ -491,6 +498,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     from resilient.agent.quarantine import Quarantine
     from resilient.etcd.server import embedded_etcd_conf
     from resilient.events import EventLog
+    from resilient.ledger import run_copies
     from resilient.rendezvous import client_from_params, register
     from resilient.rendezvous.registry import parse_rdzv_conf
     from resilient.secret import provide_job_secret
@@ -500,6 +508,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     min_nodes, max_nodes = run.nnodes
     run_id = args.run_id or default_run_id(run_dir)
     events = EventLog(run_dir / "events.jsonl", node=node, rank=-1)
+    # The quarantine's copies beside etcd's, where a relaunch finds them (resilient.ledger)
+    ledger = run_copies(run_dir, program.runtime.snapshot.durable_url)
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"})
     # The job secret (given, or RUN_DIR/job.secret), named in the environment for the rendezvous,
     # registry, quarantine and node store of this process and for the workers: resilient.secret.
@@ -535,7 +545,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             worker_entry=program.entry, worker_argv=run.worker_argv, worker_preload=program.preload,
             worker_env=worker_env(nproc), worker_heartbeats=program.heartbeats,
             runtime_config=str(run.runtime_config),
-            metrics_port=lc.metrics_port if lc.metrics_port >= 0 else None,
+            metrics_port=lc.metrics_port if lc.metrics_port >= 0 else None, metrics_host=lc.metrics_host,
+            durable_url=program.runtime.snapshot.durable_url,
         )
         spec = WorkerSpec(role="trainer", local_world_size=nproc, rdzv_handler=handler,
                           entrypoint=sys.executable, args=(), max_restarts=run.max_restarts,
@@ -543,7 +554,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
         agent, succeeded = None, False
         try:
             registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
-            Quarantine(client, run_id).refuse_if_quarantined(node, endpoint)
+            quarantine = Quarantine(client, run_id, copies=ledger)
+            quarantine.refuse_if_quarantined(node, clear_hint(args, run_dir, run_id))
             registry.claim(job=program.job_digest)
             try:
                 refuse_other_jobs(registry, program.job_digest, timedelta(seconds=lc.node_lease_ttl))
@@ -555,6 +567,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
                         domain=args.domain or node)
             result = agent.run()
             succeeded = result is not None and not agent.quarantined and not result.is_failed()
+            if agent.quarantined:
+                others = nodes_left(registry, quarantine)
         finally:
             if agent is not None:
                 agent.leave(close_rendezvous=succeeded)
@@ -562,8 +576,43 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
         if result is None:  # the rendezvous was closed: the job ended elsewhere
             return 0
         if agent.quarantined:
-            raise LaunchError(f"node {node!r} was quarantined: one of its devices computed wrong answers "
-                              f"(see the sdc_* events in {run_dir / 'events.jsonl'}); the other nodes go on without it")
+            raise LaunchError(quarantined_message(node, others, min_nodes, run_dir, clear_hint(args, run_dir, run_id)))
         if result.is_failed():
             raise LaunchError(f"training failed: {agent.give_up_reason(result)}; see {run_dir / 'events.jsonl'}")
     return 0
+
+
+def clear_hint(args: argparse.Namespace, run_dir: Path, run_id: str) -> str:
+    """The options of ``resilient quarantine clear NODE`` that reach this run's records."""
+    hint = f"--run-dir {shlex.quote(str(run_dir))}"
+    if args.run_id:
+        hint += f" --run-id {run_id}"
+    if args.rdzv_endpoint:
+        hint += f" --rdzv-endpoint {args.rdzv_endpoint}"
+    return hint
+
+
+def nodes_left(registry, quarantine) -> list[str] | None:
+    """The live nodes of the run but this one and the quarantined (None: etcd cannot say)."""
+    try:
+        alive, out = registry.alive(), quarantine.all()
+    except Exception:   # etcd gone: unknown, not none
+        return None
+    if alive is None:
+        return None
+    return sorted(n for n in alive if n != registry.node_id and n not in out)
+
+
+def quarantined_message(node: str, others: list[str] | None, min_nodes: int, run_dir: Path, hint: str) -> str:
+    """Why this node stopped, and what is next: the others go on, or, with fewer than the job's
+    minimum left (the only node, say), the job cannot go on here until the node is cleared or replaced."""
+    why = (f"node {node!r} was quarantined: one of its devices computed wrong answers (see the sdc_* events in "
+           f"{run_dir / 'events.jsonl'}), and it is refused until cleared")
+    clear = f"`resilient quarantine clear {node} {hint}`"
+    if others is not None and len(others) >= min_nodes:
+        return (f"{why}; the other nodes ({', '.join(others)}) go on without it. After checking or replacing its "
+                f"hardware: {clear}")
+    left = "no node is left" if not others else f"{len(others)} node(s) are left ({', '.join(others)})"
+    return (f"{why}. The job cannot go on here: {left}, fewer than its minimum of {min_nodes}. Check or replace "
+            f"the device, then clear the node with {clear} and relaunch; or launch the job on healthy nodes "
+            f"(another machine, or --node-id of a spare)")

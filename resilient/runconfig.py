@@ -59,6 +59,11 @@ class LaunchConfig:
     # port by default, since several agents share a machine; the `metrics` event and the node
     # registry in etcd tell where. It exposes counts and timings, no secret: -1 where no port
     # may be opened.
+    # Loopback by default: the numbers (node, run id, step, failures, auth failures) are the
+    # operator's, not the network's, and a Prometheus on the machine scrapes loopback. A fleet's
+    # scraper on another machine needs "0.0.0.0" or the interface facing it. Local users reach
+    # loopback too: the page holds no secret and no training data.
+    metrics_host: str = knob("127.0.0.1", "Prometheus metrics: the address /metrics is served on; 127.0.0.1 = this machine only (the default: the page names the node, run id, step, failure and auth-failure counts), 0.0.0.0 = every interface (a scraper on another machine)")
     metrics_port: int | str = knob(0, "Prometheus metrics of this agent (resilient.observe.metrics): the HTTP port to serve /metrics on, 0 = a free one (its address is the run's `metrics` event), -1 or \"off\" = no metrics")
 
     def __post_init__(self) -> None:

@@ -16,10 +16,13 @@ Where the secret comes from (first found):
 3. the value of ``$RESILIENT_JOB_SECRET``;
 4. single-machine default (``resilient launch`` only): ``RUN_DIR/job.secret``,
    created with mode 0600 by the first agent (atomically: written aside, then
-   linked into place), read by the others on the same run dir.
+   linked into place), read by the others on the same run dir. Only in a run
+   dir of this user's own (:mod:`resilient.rundir`), never through a link, and
+   only if this user owns the file: a run dir another user made first, with a
+   secret of theirs in it, is refused, never adopted.
 
-A secret file that other users can read (or that its group can write) is
-refused. The secret is text of at least 32 characters (``secrets.token_hex(32)``
+A secret file that other users can read (or that its group can write), or that
+belongs to another user than this one or root, is refused. The secret is text of at least 32 characters (``secrets.token_hex(32)``
 makes one); its bytes are the key material. Each use derives its own key
 (HMAC-SHA256 of a purpose label), and every MAC covers the etcd key a record
 lives under, so a record cannot be moved to another key, run or purpose.
@@ -29,6 +32,40 @@ keys, no spaces) and its etcd key; readers that only display records keep
 parsing them. Blobs (torch's pickled rendezvous state) are sealed as
 ``MAGIC + tag + payload``. What fails is :class:`Unauthentic`, reported once a
 minute per key (log warning and an ``auth_failure`` event) and never used.
+
+Replay. A MAC says who wrote a record, not that it is still current: a writer
+of etcd who saved a genuine record can put it back after it was superseded. So
+the records whose going back would matter are bound to what supersedes them,
+and the highest counter, not etcd's copy, is the truth:
+
+- a node's quarantine (:mod:`resilient.agent.quarantine`) carries a generation
+  ``gen``; a clear is not a delete but a newer record saying ``cleared``. The
+  records live in the run's ledger (:mod:`resilient.ledger`): etcd, the run dir
+  (``RUN_DIR/ledger``, private) and the durable tier, each write one generation
+  above the highest of every copy it reads, each reader taking the highest
+  generation of every copy that authenticates. A cleared quarantine put back
+  in etcd is older than the clear in the run dir: it stays cleared; a
+  quarantine deleted from etcd is still in the others: it stays quarantined.
+- commit records carry the run's *epoch* (its incarnation: the count of its
+  rollbacks, :mod:`resilient.snapshot.epoch`); a rollback raises the epoch, in
+  the ledger, and records the step it kept. A commit of a later step made in an
+  earlier epoch is abandoned, refused by every reader, put back or not; the
+  committers fence their commits on the epoch, so none races a rollback.
+
+Where the monotonic truth lives, and against whom it holds: in the highest
+counter over the ledger's copies. Someone who can write etcd but has neither
+the secret nor the run dir nor the durable tier can delete, put back or forge
+etcd's copy and changes nothing a reader with another copy believes (a forgery
+fails its MAC; a replay is older than the copy in the run dir or the durable
+tier). Whoever also writes the durable tier can roll back its copy too: the run
+dir's still wins on its machine. With etcd as the only copy (a reader on a
+machine without the run dir, a job without a durable tier it can reach), an
+etcd writer can roll records back: a cleared quarantine comes back (a node
+refused), an abandoned commit record is believed again (a restore may load the
+abandoned future from node RAM, if its holders still keep it); so give a fleet a
+durable tier every node reaches, and ``resilient quarantine clear`` warns when
+etcd was all it reached.
+What nobody without the secret can do is write a record any reader accepts.
 """
 
 from __future__ import annotations
@@ -158,17 +195,32 @@ class JobSecret:
 
 
 # ------------------------------------------------------------------ where it comes from
-def _read_file(path: str | os.PathLike, source: str) -> JobSecret:
+def _read_file(path: str | os.PathLike, source: str, run_dir: bool = False) -> JobSecret:
+    """``run_dir``: the run dir's own secret, which this user's agent made: never through a
+    link, and only if this user owns it. A given file may be a link (a Kubernetes Secret
+    volume's are) and may belong to root (which could forge anything anyway)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if run_dir else 0))
     except FileNotFoundError:
         raise JobSecretError(f"job secret file {path} (from {source}) does not exist; {_HOW}") from None
     except OSError as e:
+        if run_dir and os.path.islink(path):
+            raise JobSecretError(f"job secret file {path} (from {source}) is a symbolic link: whoever made it "
+                                 f"chose the secret. Remove it if you did not make it; the next launch creates a "
+                                 f"new one") from None
         raise JobSecretError(f"job secret file {path} (from {source}) cannot be read ({e.strerror}); {_HOW}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise JobSecretError(f"job secret file {path} (from {source}) is not a regular file")
+        if st.st_uid not in ((os.geteuid(),) if run_dir else (os.geteuid(), 0)):
+            from resilient.rundir import owner_name
+
+            raise JobSecretError(
+                f"job secret file {path} (from {source}) is owned by {owner_name(st.st_uid)}, not by you: whoever "
+                f"wrote it knows the secret and could forge every record of the job. Use a secret file of your own"
+                + (f"; remove {path} if you know where it came from (the next launch creates a new one), or "
+                   f"pass another --run-dir" if run_dir else ""))
         # Others may not read it; a group may (a Kubernetes Secret mounted with fsGroup is
         # 0440) but not write it (whoever can rewrite the secret can forge everything).
         if st.st_mode & 0o027:
@@ -212,9 +264,13 @@ def require_secret(secret_file: str | os.PathLike | None = None, what: str = "th
 def run_dir_secret(run_dir: str | os.PathLike) -> Path:
     """``RUN_DIR/job.secret``, created (mode 0600) if absent. Concurrent first agents agree:
     each writes its own candidate aside and links it into place, so exactly one wins and a
-    reader never sees a half-written file."""
-    path = Path(run_dir) / RUN_DIR_SECRET
-    if path.exists():
+    reader never sees a half-written file. The run dir must be this user's alone
+    (:func:`resilient.rundir.private_dir`: a run dir another user made, with a secret of
+    theirs in it, is refused, never adopted)."""
+    from resilient.rundir import private_dir
+
+    path = private_dir(run_dir) / RUN_DIR_SECRET
+    if os.path.lexists(path):
         return path
     tmp = path.with_name(f".{RUN_DIR_SECRET}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -243,7 +299,7 @@ def provide_job_secret(run_dir: str | os.PathLike, secret_file: str | os.PathLik
             os.environ[SECRET_FILE_ENV] = str(Path(secret_file).resolve())
         return given
     path = run_dir_secret(run_dir)
-    found = _read_file(path, "the run dir")
+    found = _read_file(path, "the run dir", run_dir=True)
     os.environ[SECRET_FILE_ENV] = str(path.resolve())
     return found
 

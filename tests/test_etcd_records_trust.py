@@ -145,5 +145,7 @@ def test_quarantine_cli_verifies_with_the_jobs_secret(etcd, client, tmp_path, ca
     assert quarantine_cli(["list", *argv, "--run-dir", str(tmp_path)]) == 0
     lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
     assert [(ln["node"], "unauthentic" in ln) for ln in lines] == [("bad", False), ("forged", True)]
-    assert quarantine_cli(["clear", "bad", *argv]) == 0  # a delete: no secret needed
+    with pytest.raises(JobSecretError):  # a clear is a newer sealed record, not a delete: it needs the secret
+        quarantine_cli(["clear", "bad", *argv])
+    assert quarantine_cli(["clear", "bad", *argv, "--secret-file", str(secret_file)]) == 0
     assert q.get("bad") is None

@@ -61,6 +61,7 @@ from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
 from resilient.agent.membership import NodeRegistry, exchange_node_ids
 from resilient.agent.pool import WarmPool, WorkerProcess
 from resilient.agent.quarantine import QUARANTINE_EXIT, SLOW_EXIT, Quarantine
+from resilient.ledger import run_copies
 from resilient.etcd.compactor import HistoryCompactor
 from resilient.failslow.replace import SeatHandover
 from resilient.events import EventLog, read_events
@@ -192,7 +193,7 @@ class ResilientAgent(SimpleElasticAgent):
         # least import while the rendezvous runs.
         try:
             if self.metrics is not None:
-                address = self.metrics.serve(self.settings.metrics_port)
+                address = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
                 self.events.emit("metrics", address=address)
                 if self.registry is not None:  # where `resilient status` and service discovery find it
                     self.registry.update(metrics=address)
@@ -458,11 +459,13 @@ class ResilientAgent(SimpleElasticAgent):
         self._remaining_restarts = 0
         record = {"reason": "silent data corruption confirmed by the SDC monitor",
                   "local_ranks": bad, "device": f"{self.settings.node_id}:{bad[0]}"}
-        if self.registry is not None:
-            try:
-                Quarantine(self.registry.client, self.settings.run_id).add(self.settings.node_id, **record)
-            except Exception as e:  # still leave: a bad node must not keep training
-                log.error("could not record the quarantine in etcd: %s", e)
+        try:
+            # in etcd and where a relaunch finds it (resilient.ledger): it outlives the etcd
+            Quarantine(self.registry.client if self.registry is not None else None, self.settings.run_id,
+                       copies=run_copies(self.settings.run_dir, self.settings.durable_url)).add(
+                self.settings.node_id, **record)
+        except Exception as e:  # still leave: a bad node must not keep training
+            log.error("could not record the quarantine: %s", e)
         self.events.emit("quarantine", node=self.settings.node_id, **record)
 
     def _count_startup_failures(self, failures: dict) -> None:

@@ -88,6 +88,8 @@ class AgentSettings:
     worker_heartbeats: bool = True
     runtime_config: str = ""            # RuntimeConfig JSON for the workers (RESILIENT_RUNTIME_CONFIG)
     metrics_port: int | None = None     # Prometheus /metrics (resilient.observe.metrics): 0 = a free port, None = off
+    metrics_host: str = "127.0.0.1"     # ... the address it binds (launch.metrics_host)
+    durable_url: str = ""               # snapshot.durable_url: where the ledger's durable copy goes ("" = RUN_DIR/checkpoints)
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

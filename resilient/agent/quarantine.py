@@ -3,25 +3,29 @@
 When the SDC monitor confirms a persistent fault (the same wrong answer on
 replay, or a failed arithmetic probe), the worker on that device exits with
 :data:`QUARANTINE_EXIT`. Its agent records the node under
-``/resilient/<run>/quarantine/<node>`` in etcd and leaves the job; the other
-nodes re-form without it and roll back. An agent refuses to start on a
-quarantined node until an operator, having checked or replaced the hardware,
-clears the record::
+``/resilient/<run>/quarantine/<node>`` and leaves the job; the other nodes
+re-form without it and roll back (with fewer than the job's minimum left, the
+job stops here: the launcher says so, and how to clear or replace the node).
+An agent refuses to start on a quarantined node until an operator, having
+checked or replaced the hardware, clears the record::
 
-    resilient quarantine list  --rdzv-endpoint HOST:PORT --run-id RUN
-    resilient quarantine clear NODE --rdzv-endpoint HOST:PORT --run-id RUN
+    resilient quarantine list  --run-dir RUN_DIR
+    resilient quarantine clear NODE --run-dir RUN_DIR
+    resilient quarantine clear NODE --rdzv-endpoint HOST:PORT --run-id RUN --durable-url URL   (another machine)
 
-Records carry a MAC under the job secret (:mod:`resilient.secret`, bound to
-the record's key). One that fails is reported (``auth_failure``) and ignored:
-a forged record never quarantines a node, and a tampered one is no record. A
-writer of etcd can still *delete* a record (that no MAC can prevent): the
-embedded etcd of ``resilient launch`` lets only holders of the job secret in
-(:mod:`resilient.etcd.server`); keep an external etcd authenticated on a shared
-host (``--rdzv-conf username=...``). The CLI takes the job secret
-(``--secret-file``, ``--run-dir`` or the environment) and the TLS/auth keys of
-``--rdzv-conf``, as ``launch`` does; on a single-machine job ``--run-dir`` alone
-finds the embedded etcd (``RUN_DIR/etcd.endpoint``), its run id and its secret,
-and the CLI logs in to it with the secret.
+The records live in the run's ledger (:mod:`resilient.ledger`): in etcd, in the
+node's run dir (``RUN_DIR/ledger``) and on the durable tier, so they outlive the
+etcd that held them (a relaunch of a one-machine job, whose embedded etcd went
+with it, is refused too; another machine finds the durable tier's copy). Each
+record carries a MAC under the job secret (:mod:`resilient.secret`, bound to the
+record's key) and a generation: a clear is a newer record saying ``cleared``, in
+every copy the CLI reaches, so a genuine old record put back in etcd is older
+than the clear and changes nothing; a forged one is reported (``auth_failure``)
+and ignored, and deleting etcd's copy leaves the others. The CLI takes the job
+secret (``--secret-file``, ``--run-dir`` or the environment) and the TLS/auth
+keys of ``--rdzv-conf``, as ``launch`` does; on a single-machine job
+``--run-dir`` alone finds the records, the secret, the run id and, while it is
+up, the embedded etcd (``RUN_DIR/etcd.endpoint``, logged in to with the secret).
 
 A node the fail-slow checks found slow (``failslow.policy = "replace"``) takes
 the same path, lighter: its workers exit with :data:`SLOW_EXIT`, its agent
@@ -34,19 +38,21 @@ the mark itself once a probe run shows the node healthy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from resilient.agent.api import AgentError
-from resilient.etcd import EtcdAuthError, EtcdClient
+from resilient.etcd import EtcdAuthError, EtcdClient, EtcdError
+from resilient.ledger import Copy, EtcdCopy, Ledger, run_copies
 from resilient.secret import (
     QUARANTINE,
     RUN_DIR_SECRET,
     JobSecret,
-    Unauthentic,
-    report_unauthentic,
     require_secret,
     resolve_secret,
 )
@@ -60,68 +66,90 @@ class NodeQuarantined(AgentError):
 
 
 PURPOSE = QUARANTINE
+QUARANTINED, CLEARED = "quarantined", "cleared"   # a record's state; a clear is a newer record, never a delete
+
+
+def _order(doc: dict) -> int:
+    """Two records of one generation (written at once): the quarantine wins, the safe side."""
+    return 0 if doc.get("state") == CLEARED else 1
+
+
+def is_quarantined(doc: dict | None) -> bool:
+    return doc is not None and doc.get("state", QUARANTINED) != CLEARED
 
 
 class Quarantine:
-    """``secret``: the job secret (default: from the environment, :func:`resilient.secret.require_secret`)."""
+    """The quarantine records of a run, in the ledger (:mod:`resilient.ledger`): in etcd
+    (``client``; None: the copies alone, an operator's CLI after the job's embedded etcd is
+    gone) and in ``copies`` (:func:`resilient.ledger.run_copies`: the run dir's and the durable
+    tier's, where a relaunch finds them). ``secret``: the job secret (default: from the
+    environment, :func:`resilient.secret.require_secret`)."""
 
     KIND = "quarantine"   # the records' directory under /resilient/<run>/
 
-    def __init__(self, client: EtcdClient, run_id: str, secret: JobSecret | bytes | None = None, events: Any = None):
+    def __init__(self, client: EtcdClient | None, run_id: str, secret: JobSecret | bytes | None = None,
+                 events: Any = None, copies: Iterable[Copy] = ()):
         self.client = client
         self.run_id = run_id
         self._secret = JobSecret.of(secret) if secret is not None else None
         self.events = events
         self.prefix = f"/resilient/{run_id}/{self.KIND}/"
+        self._etcd = EtcdCopy(client) if client is not None else None
+        self.ledger = Ledger(PURPOSE, lambda: self.secret, ([self._etcd] if self._etcd else []) + list(copies),
+                             events, f"{self.KIND} record", _order)
 
     @property
     def secret(self) -> JobSecret:
-        """Resolved when first needed: clearing a record (a delete) needs none."""
+        """Resolved when first needed."""
         if self._secret is None:
             self._secret = require_secret(what="the quarantine")
         return self._secret
 
-    def add(self, node: str, **record) -> None:
-        record = {"node": node, "time": time.time(), **record}
-        self.client.put(self.prefix + node, self.secret.seal_record(PURPOSE, self.prefix + node, record))
+    @property
+    def where(self) -> list[str]:
+        """The copies this book reads and writes (``etcd``, ``run dir ...``, ``durable tier ...``)."""
+        return [c.where for c in self.ledger.copies]
+
+    def add(self, node: str, **record) -> list[str]:
+        """Quarantine ``node`` in every copy (the ones written are returned)."""
+        return self.ledger.write(self.prefix + node, {"node": node, "time": time.time(), **record,
+                                                      "state": QUARANTINED}, strict=None)
 
     def get(self, node: str) -> dict | None:
-        """The node's authentic record, or None (no record, or one that fails authentication)."""
-        kv = self.client.get(self.prefix + node)
-        if kv is None:
-            return None
-        try:
-            return self.secret.open_record(PURPOSE, self.prefix + node, kv.value)
-        except Unauthentic as e:
-            report_unauthentic(self.events, "quarantine record", self.prefix + node, e)
-            return None
+        """The node's quarantine record, newest over the copies, or None (none, cleared since, or
+        none that authenticates). etcd unreachable raises, as the client does."""
+        doc, _ = self.ledger.read(self.prefix + node, strict=self._etcd)
+        return doc if is_quarantined(doc) else None
 
     def scan(self) -> tuple[dict[str, dict], dict[str, str]]:
-        """(node → authentic record, node → why its record fails authentication)."""
-        good, forged = {}, {}
-        for kv in self.client.get_prefix(self.prefix):
-            key = kv.key.decode(errors="replace")
-            try:
-                good[key.removeprefix(self.prefix)] = self.secret.open_record(PURPOSE, key, kv.value)
-            except Unauthentic as e:
-                report_unauthentic(self.events, "quarantine record", key, e)
-                forged[key.removeprefix(self.prefix)] = str(e)
-        return good, forged
+        """(node → its quarantine record, node → why its records fail authentication)."""
+        good, forged = self.ledger.scan(self.prefix, strict=self._etcd)
+        return {n: d for n, d in good.items() if is_quarantined(d)}, forged
 
     def all(self) -> dict[str, dict]:
         return self.scan()[0]
 
     def clear(self, node: str) -> bool:
-        return self.client.delete(self.prefix + node)
+        """Whether ``node`` was quarantined; if so, a newer record says it is cleared, in every
+        copy (a writer of etcd who puts the old record back does not undo it: the ledger)."""
+        doc, _ = self.ledger.read(self.prefix + node, strict=self._etcd)
+        if not is_quarantined(doc):
+            return False
+        self.ledger.write(self.prefix + node, {"node": node, "time": time.time(), "state": CLEARED,
+                                               "was": {k: doc.get(k) for k in ("time", "reason", "device")}},
+                          strict=self._etcd)
+        return True
 
-    def refuse_if_quarantined(self, node: str, endpoint: str) -> None:
+    def refuse_if_quarantined(self, node: str, how_to_clear: str) -> None:
+        """:class:`NodeQuarantined` if ``node`` is; ``how_to_clear``: the options of
+        ``resilient quarantine clear NODE ...`` that reach this run."""
         record = self.get(node)
         if record is not None:
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["time"]))
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("time", 0)))
             raise NodeQuarantined(
                 f"node {node!r} is quarantined since {since} ({record.get('reason', 'silent data corruption')}, "
-                f"device {record.get('device', '?')}); after checking or replacing its hardware, clear it with "
-                f"`resilient quarantine clear {node} --rdzv-endpoint {endpoint} --run-id {self.run_id}`")
+                f"device {record.get('device', '?')}): it is not trained on until an operator, after checking or "
+                f"replacing its hardware, clears it with `resilient quarantine clear {node} {how_to_clear}`")
 
 
 class SlowMarks(Quarantine):
@@ -139,30 +167,57 @@ def main(argv: list[str]) -> int:
     ap.add_argument("action", choices=("list", "clear"))
     ap.add_argument("node", nargs="?", help="the node to clear")
     ap.add_argument("--rdzv-endpoint", default=None, help="etcd HOST:PORT[,...] of the job (default with --run-dir: "
-                    "the run's embedded etcd, RUN_DIR/etcd.endpoint)")
+                    "the run's embedded etcd, RUN_DIR/etcd.endpoint, if it is still up)")
     ap.add_argument("--run-id", default=None, help="the job's run id (see the agent_start event; default with "
                     "--run-dir: the one launch derives from it)")
     ap.add_argument("--rdzv-conf", default="", help="etcd TLS/auth keys k=v,k=v, as for launch (ca_cert, cert, key, "
                     "username; the password from RESILIENT_ETCD_PASSWORD)")
     ap.add_argument("--secret-file", default=None, help="the job secret's file (default: $RESILIENT_JOB_SECRET_FILE, "
                     "$RESILIENT_JOB_SECRET, or RUN_DIR/job.secret with --run-dir)")
-    ap.add_argument("--run-dir", default=None, help="the run dir of a single-machine job (holds its job.secret)")
+    ap.add_argument("--run-dir", default=None, help="the node's run dir: its copy of the records (RUN_DIR/ledger), "
+                    "its job.secret, and on one machine its embedded etcd")
+    ap.add_argument("--durable-url", default=None, help="the durable tier's URL, whose copy of the records every "
+                    "node finds (default with --run-dir: the run's snapshot.durable_url, else RUN_DIR/checkpoints)")
     args = ap.parse_args(argv)
+    from_run_dir = False   # the endpoint was the run dir's embedded etcd (gone with its job, maybe)
     if args.run_dir:
         from resilient.launch import default_run_id
 
         shared = Path(args.run_dir) / "etcd.endpoint"
         if not args.rdzv_endpoint and shared.exists():
-            args.rdzv_endpoint = shared.read_text().strip()
+            args.rdzv_endpoint, from_run_dir = shared.read_text().strip(), True
         args.run_id = args.run_id or default_run_id(Path(args.run_dir))
-    if not args.rdzv_endpoint or not args.run_id:
-        ap.error("give --rdzv-endpoint and --run-id, or --run-dir of a single-machine job whose agents are running")
-    secret = cli_secret(args) if args.action == "list" else None
-    with cli_client(args, secret) as client:
+    copies = run_copies(args.run_dir, args.durable_url if args.durable_url is not None else
+                        durable_url_of(args.run_dir)) if args.run_dir or args.durable_url else []
+    if not args.run_id or not (args.rdzv_endpoint or copies):
+        ap.error("give --run-dir of the node (its records, its job.secret), or --rdzv-endpoint and --run-id "
+                 "(and --durable-url to reach the copies every node finds)")
+    if args.action == "clear" and not args.node:
+        ap.error("clear needs a NODE")
+    from resilient.launch import check_name   # ids name the records' files too (resilient.ledger)
+
+    check_name("--run-id", args.run_id)
+    if args.node:
+        check_name("NODE", args.node)
+    secret = cli_secret(args)   # a clear is a newer record, sealed: it needs the secret too
+    client = None
+    if args.rdzv_endpoint:
+        try:
+            client = cli_client(args, secret)
+        except EtcdAuthError:
+            raise
+        except EtcdError as e:
+            if not from_run_dir:
+                raise
+            # a stale endpoint file: the embedded etcd went with its job; the copies are what a relaunch reads
+            print(f"resilient quarantine: etcd at {args.rdzv_endpoint} is not reachable ({e}); using the copies "
+                  f"in {', '.join(c.where for c in copies)}", file=sys.stderr)
+    with client if client is not None else contextlib.nullcontext():
         # both kinds of record a node can carry: quarantined for SDC (refused a start until
         # cleared) and marked slow by fail-slow's replace policy (its agent clears it itself
-        # after healthy probes; an operator may clear it sooner)
-        books = [Quarantine(client, args.run_id, secret), SlowMarks(client, args.run_id, secret)]
+        # after healthy probes; an operator may clear it sooner). Slow marks live in etcd alone.
+        books = [Quarantine(client, args.run_id, secret, copies=copies)] + (
+            [SlowMarks(client, args.run_id, secret)] if client is not None else [])
         if args.action == "list":
             for book in books:
                 good, forged = book.scan()
@@ -171,14 +226,31 @@ def main(argv: list[str]) -> int:
                 for node, why in sorted(forged.items()):
                     print(json.dumps({"kind": book.KIND, "node": node, "unauthentic": why, "ignored": True}))
             return 0
-        if not args.node:
-            ap.error("clear needs a NODE")
-        cleared = [book.KIND for book in books if book.clear(args.node)]
+        cleared = [book for book in books if book.clear(args.node)]
         if not cleared:
             print(f"node {args.node!r} was neither quarantined nor marked slow in run {args.run_id!r}")
             return 1
-        print(f"cleared {args.node!r} ({' and '.join(cleared)}); it may rejoin run {args.run_id!r}")
+        where = cleared[0].where
+        print(f"cleared {args.node!r} ({' and '.join(b.KIND for b in cleared)}) in {', '.join(where)}; it may "
+              f"rejoin run {args.run_id!r}")
+        if where == ["etcd"]:
+            print("resilient quarantine: the clear is kept in etcd alone, where whoever can write etcd could put the "
+                  "old record back; pass --run-dir (on the node's machine) or --durable-url so that it is kept "
+                  "where they cannot", file=sys.stderr)
         return 0
+
+
+def durable_url_of(run_dir: str | os.PathLike | None) -> str:
+    """The durable tier's URL of the run in ``run_dir`` (its ``runtime.json``, as launch wrote
+    it); "" for the default (``RUN_DIR/checkpoints``) or when the file says nothing."""
+    if run_dir is None:
+        return ""
+    try:
+        doc = json.loads((Path(run_dir) / "runtime.json").read_text())
+        url = doc.get("snapshot", {}).get("durable_url", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return url if isinstance(url, str) else ""
 
 
 def cli_secret(args: argparse.Namespace) -> JobSecret:

@@ -59,6 +59,7 @@ from resilient.job.guard import SdcGuard
 from resilient.job.keeper import Marks, StateKeeper
 from resilient.job.modelstate import ModelState, as_list
 from resilient.progress import ProgressLine
+from resilient.rundir import private_dir
 from resilient.runconfig import RuntimeConfig, load_runtime_config, runtime_config_from_env
 from resilient.sdc.api import Action, Decision
 from resilient.sdc.checksums import local as _local
@@ -187,7 +188,7 @@ class Job:
         self.config = self._config(config)
         self.under_agent = bool(os.environ.get("RESILIENT_STORE") or os.environ.get("RESILIENT_RUNTIME_CONFIG"))
         self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir()).resolve()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)   # 0700 when made here; another user's is refused (resilient.rundir)
         self.node = node or os.environ.get(NODE_ENV) or None
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

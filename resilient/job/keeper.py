@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from resilient.events import EventLog
+from resilient.ledger import run_copies
 from resilient.sdc.checksums import local as _local
 from resilient.snapshot import Restored, RetryPolicy, Snapshotter
 from resilient.snapshot.api import StorageError
@@ -132,6 +133,8 @@ class StateKeeper:
         self.store = StoreInfo.from_env() if cfg.memory_on else None
         # Every tier signs its versions and restores only those that authenticate (snapshot.auth).
         self.secret = _job_secret(self.store, run_dir)
+        # the run's ledger beside etcd (the rollback epoch: resilient.snapshot.epoch)
+        self.ledger = run_copies(run_dir, cfg.durable_url) if self.store is not None else []
         self.memory: Snapshotter | None = None
         if self.store is not None:
             # tmpfs: nothing to compress, little to retry; a full store must not stall the writer.
@@ -206,7 +209,7 @@ class StateKeeper:
             return None
         t0 = time.perf_counter()
         durable = self.durable.reader()
-        candidates, readers = tiered_candidates(self.store, durable, self.events, self.secret)
+        candidates, readers = tiered_candidates(self.store, durable, self.events, self.secret, self.ledger)
         on_durable = {c[0] for c in candidates if c[2] == "durable"}   # the same set on every rank
         try:
             if max_step is not None:
@@ -222,7 +225,7 @@ class StateKeeper:
         # A rollback (max_step) drops later versions of every tier itself: abandon_after.
         if restored is not None and self.rank == 0 and self.store is not None and max_step is None:
             try:
-                forget_after(self.store, restored.step)
+                forget_after(self.store, restored.step, self.ledger, always=False, events=self.events)
             except Exception:  # bookkeeping; the next commits go on regardless
                 pass
         if restored is None:
@@ -362,7 +365,7 @@ class StateKeeper:
         if self.durable is None or self.rank != 0:
             return
         if self.store is not None:
-            forget_after(self.store, step)
+            forget_after(self.store, step, self.ledger, events=self.events)
         dropped = self.durable.drop_after(step)
         if dropped:
             self.events.emit("gc", step=step, removed=dropped, kept=[], reason="rollback")

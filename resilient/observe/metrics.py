@@ -1,8 +1,11 @@
 """Prometheus metrics of one agent, made from its node's lines of the event log.
 
-Every agent serves ``/metrics`` over HTTP (``launch.metrics_port``; the bound
-address is the ``metrics`` event and the ``metrics`` field of the node's entry
-in the etcd node registry). The numbers come from the run's JSON-lines event
+Every agent serves ``/metrics`` over HTTP (``launch.metrics_port``, on
+``launch.metrics_host``: loopback by default, ``0.0.0.0`` for a scraper on another
+machine; the bound address is the ``metrics`` event and the ``metrics`` field of
+the node's entry in the etcd node registry). The page names the node, the run id,
+the step and the failure and auth-failure counts: not a secret, but nothing for the
+network by default; any local user can read it. The numbers come from the run's JSON-lines event
 log (:mod:`resilient.events`), not from a new channel to the workers: the log
 already says everything an operator asks (steps, snapshots, commits, restores,
 failures, rounds, SDC verdicts), workers need no change, and what the agent
@@ -325,9 +328,10 @@ class AgentMetrics(Collector):
             yield from metric.collect()
 
     # -- serving ---------------------------------------------------------------------
-    def serve(self, port: int, host: str = "0.0.0.0") -> str:
+    def serve(self, port: int, host: str = "127.0.0.1") -> str:
         """Serve ``/metrics`` on ``host:port`` (0: a free port); returns ``HOST:PORT`` to scrape,
-        the host as the node's peers reach it (as the node store's peer server advertises)."""
+        the host as the node's peers reach it (as the node store's peer server advertises).
+        Loopback by default (``launch.metrics_host``: why, in :class:`~resilient.runconfig.LaunchConfig`)."""
         from resilient.snapshot.peer import _default_host
 
         try:

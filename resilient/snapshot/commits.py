@@ -8,9 +8,11 @@ the replicator's machinery. Every record carries a MAC under the job secret
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
-from resilient.secret import COMMIT, JobSecret, read_records
+from resilient.ledger import Copy
+from resilient.secret import COMMIT, JobSecret, read_records, report_unauthentic
+from resilient.snapshot.epoch import Epoch, rollback_order, epoch_key, epoch_ledger, made_in
 
 
 def commit_prefix(run_id: str, tier: str) -> str:
@@ -25,13 +27,28 @@ def holds_prefix(run_id: str, step: int) -> str:
     return f"/resilient/{run_id}/mem/holds/{step:012d}/"
 
 
-def read_commits(client, run_id: str, secret: JobSecret | bytes, events: Any = None) -> list[dict]:
-    """Every commit record of the run (both tiers) that authenticates, with a well-formed step."""
+def read_commits(client, run_id: str, secret: JobSecret | bytes, events: Any = None,
+                 copies: Iterable[Copy] = ()) -> list[dict]:
+    """Every commit record of the run (both tiers) that authenticates, has a well-formed step
+    and is not abandoned by a rollback (the epoch: etcd's copy, read with the records, and
+    those of ``copies``, the run's ledger beside etcd)."""
+    key = epoch_key(run_id)
+    found = read_records(client, f"/resilient/{run_id}/commit/", COMMIT, secret, events, "commit record")
+    here = found.pop(key.rsplit("/", 1)[-1], None)
+    others, _ = epoch_ledger(None, secret, copies, events).read(key) if copies else (None, {})
+    epoch = Epoch.from_doc(max((d for d in (here, others) if d is not None),
+                               key=lambda d: (int(d.get("gen", 0)) if isinstance(d.get("gen"), int) else 0,
+                                              rollback_order(d)), default=None))
     out = []
-    for rec in read_records(client, f"/resilient/{run_id}/commit/", COMMIT, secret, events, "commit record").values():
+    for suffix, rec in found.items():
         try:
             rec["step"] = int(rec["step"])
         except (KeyError, TypeError, ValueError):
+            continue
+        if not epoch.admits(rec["step"], made_in(rec)):
+            report_unauthentic(events, "abandoned commit record", f"/resilient/{run_id}/commit/{suffix}",
+                               f"step {rec['step']} of epoch {made_in(rec)} was abandoned by a rollback to step "
+                               f"{epoch.cap(made_in(rec))} (the run is in epoch {epoch.gen}): an old record put back")
             continue
         out.append(rec)
     return out

@@ -37,8 +37,10 @@ Each etcd write is CPU taken from training on the host that makes it (etcd logs 
 every write).
 
 A commit record is JSON ``{"step", "attempt", "world", "k", "holders":
-{"<rank>": [nodes]}}``: what restore needs to find every shard. It is written
-once (create-only) so concurrent agents never disagree about a version.
+{"<rank>": [nodes]}, "epoch"}``: what restore needs to find every shard, and the
+run's epoch it was made in (:mod:`.epoch`: a record a rollback abandoned is
+refused even when put back). It is written once (create-only, fenced by the
+epoch) so concurrent agents never disagree about a version.
 Holds and commit records carry a MAC under the job secret bound to their key
 (:mod:`resilient.secret`); one that fails is reported (``auth_failure``) and
 ignored, so a forged record never selects a version or a holder.
@@ -74,6 +76,7 @@ from resilient.secret import COMMIT, HOLDS, JobSecret, Unauthentic, report_unaut
 from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete
 from resilient.snapshot.auth import VersionAuth, report as report_auth
 from resilient.snapshot.durable import merge_rank_manifests
+from resilient.snapshot.epoch import EpochFence
 from resilient.snapshot.format import object_crcs, rank_manifest_boxes, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError
@@ -159,6 +162,7 @@ class Replicator(LeaderCommit):
         self._target: tuple[str, int] = ("", -1)  # leading: (attempt, step) of the version gathered now
         self._placement: dict[str, list[str]] = {}
         self._placed_for: dict[str, str] | None = None
+        self._fence = EpochFence.start(client, run_id, self.secret, events)  # commits carry the run's epoch
         if opts.protocol not in ("leader", "etcd"):
             raise ConfigError(f"snapshot commit protocol {opts.protocol!r}: use 'leader' or 'etcd'")
         self._thread = threading.Thread(target=self._run, name="snapshot-replicator", daemon=True)
@@ -459,15 +463,19 @@ class Replicator(LeaderCommit):
                 "step %d is not committed to node RAM (no restore could use it), training goes on with the "
                 "durable tier: %s", v.step, bad)
             return
-        now = time.time()
-        records = {key: self.secret.seal_record(COMMIT, key, {
-            "step": v.step, "attempt": v.attempt, "world": world, "k": k, "holders": merged, "time": now})
-            for key, k in ((commit_key(self.run_id, t, v.step), k) for t, k in due.items())}
-        if len(records) > 1 and self.client.create_all(records):
-            won = set(due)
-        else:  # one tier, or another agent committed one of them first: each on its own
-            won = {t for t, key in zip(due, records)
-                   if self.client.compare_and_swap(key, records[key], mod_revision=None).succeeded}
+        for _ in range(3):  # sealed in the epoch known; a rollback in between: learn it, again (.epoch)
+            if self._fence.abandons(v.step, v.mtime):
+                log.debug("step %d is not committed: a rollback abandoned it", v.step)
+                return
+            keys = {commit_key(self.run_id, t, v.step): t for t in due}
+            made = self._fence.create({key: self.secret.seal_record(COMMIT, key, {
+                "step": v.step, "attempt": v.attempt, "world": world, "k": due[t], "holders": merged,
+                "time": time.time(), "epoch": self._fence.epoch.gen}) for key, t in keys.items()})
+            if made is not None:
+                break
+        else:
+            return
+        won = {keys[key] for key in made}
         with self._cond:
             for t in due:
                 self.committed[t] = max(self.committed.get(t, -1), v.step)

@@ -33,6 +33,14 @@ caught too (:class:`SnapshotCorrupt`).
 
 Framing: ``u32 length`` + JSON header (+ tag), then ``header["size"]`` raw
 bytes in pieces (+ a tag each). Nothing is ever unpickled.
+
+Where it listens: every interface by default (``snapshot.store_host = "0.0.0.0"``),
+unlike the metrics page (loopback, ``launch.metrics_host``): peers on other machines
+push replicas here and restoring workers there read from it, so a fleet needs it
+reachable, and the handshake above is what keeps everyone else out (a connection
+that cannot prove the secret is closed before any request is read).
+A host with an untrusted network beside the fleet's binds it to the fleet's
+interface (``snapshot.store_host``, the address peers are told is the same).
 """
 
 from __future__ import annotations

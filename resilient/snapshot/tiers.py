@@ -28,14 +28,17 @@ import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
+from resilient.ledger import Copy
 from resilient.snapshot.api import Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
 from resilient.snapshot.auth import VersionAuth, report as report_auth
+from resilient.snapshot.commits import read_commits
 from resilient.snapshot.durable import emit, merge_rank_manifests
+from resilient.snapshot.epoch import abandon_after
 from resilient.snapshot.format import manifest_from_json, version_dir
 from resilient.snapshot.nodestore import NodeStore, rank_of
 from resilient.snapshot.peer import PeerClient, PeerError
@@ -91,11 +94,12 @@ class StoreInfo:
 
 
 # ------------------------------------------------------------------ candidates
-def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None) -> list[dict]:
+def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None, copies: Iterable[Copy] = ()) -> list[dict]:
     """Rank 0: memory versions restorable from live holders, newest first (JSON-able).
-    Only registry entries and commit records that authenticate with the job secret count."""
+    Only registry entries and commit records that authenticate with the job secret count, and
+    of these only the commits no rollback abandoned (:mod:`.epoch`; the run's epoch is read
+    from etcd and from ``copies``, the run's ledger beside it)."""
     from resilient.secret import REGISTRY, read_records
-    from resilient.snapshot.commits import read_commits
 
     secret = info.secret()
     with info.client() as client:
@@ -103,7 +107,7 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None) -> list[dic
                                                          secret, events, "node registry entry").values()
                 if isinstance(doc.get("node"), str)}
         records: dict[int, dict] = {}
-        for rec in read_commits(client, info.run_id, secret, events):
+        for rec in read_commits(client, info.run_id, secret, events, copies):
             step = rec["step"]
             have = records.get(step)
             if have is None or have["attempt"] != rec["attempt"]:
@@ -161,19 +165,14 @@ def kept_plans(live: dict[str, dict]) -> list[tuple[int, str, int, dict[str, lis
             if 0 < world <= 1 << 16 and all(str(r) in holders for r in range(world))]
 
 
-def forget_after(info: StoreInfo, step: int) -> None:
-    """Rank 0, after restoring ``step``: drop commit records of later steps (a rollback),
-    so a version of the abandoned future is never restored later."""
-    import base64
-
-    ops = []
-    for tier in ("local", "memory"):
-        lo = f"/resilient/{info.run_id}/commit/{tier}/{step + 1:012d}"
-        hi = f"/resilient/{info.run_id}/commit/{tier}/~"
-        ops.append({"request_delete_range": {"key": base64.b64encode(lo.encode()).decode(),
-                                             "range_end": base64.b64encode(hi.encode()).decode()}})
+def forget_after(info: StoreInfo, step: int, copies: Iterable[Copy] = (), always: bool = True,
+                 events: Any = None) -> None:
+    """Rank 0, after restoring ``step``: drop commit records of later steps (a rollback), so
+    a version of the abandoned future is never restored later, even if put back: the run's
+    epoch goes up first, in etcd and in ``copies`` (:func:`~resilient.snapshot.epoch.abandon_after`).
+    ``always=False``: only when there are later records (a restore that went back past nothing)."""
     with info.client() as client:
-        client.txn([], ops, [])
+        abandon_after(client, info.run_id, info.secret(), step, copies, events, always=always)
 
 
 def broadcast_json(value: Any) -> Any:
@@ -315,7 +314,8 @@ class MemoryReader:
 
 
 def tiered_candidates(info: StoreInfo | None, durable: SnapshotReader | None, events: Any,
-                      secret: bytes | None) -> tuple[list[tuple[int, Any, str]], list[MemoryReader]]:
+                      secret: bytes | None, copies: Iterable[Copy] = ()) -> tuple[list[tuple[int, Any, str]],
+                                                                                  list[MemoryReader]]:
     """The same ``(step, reader, tier)`` list on every rank: memory versions and durable ones,
     newest step first, memory before durable at one step. Collective."""
     doc = None
@@ -323,7 +323,7 @@ def tiered_candidates(info: StoreInfo | None, durable: SnapshotReader | None, ev
         mem = []
         if info is not None:
             try:
-                mem = memory_plan(info, events=events)
+                mem = memory_plan(info, events=events, copies=copies)
             except Exception as e:  # etcd down: the durable tier still works
                 emit(events, "restore_fallback", step=-1, url=f"memory://{info.run_id}", tier="memory",
                      error=f"cannot read memory commit records: {e}", error_type=type(e).__name__, obj=None)
