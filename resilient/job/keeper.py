@@ -26,6 +26,7 @@ trainer goes through the same ``Job``.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,11 +40,15 @@ from resilient.ledger import run_copies
 from resilient.sdc.checksums import local as _local
 from resilient.snapshot import Restored, RetryPolicy, Snapshotter
 from resilient.snapshot.api import StorageError
+from resilient.snapshot.commits import read_run_epoch
 from resilient.snapshot.config import AUTO, SnapshotConfig
+from resilient.snapshot.epoch import Epoch
 from resilient.snapshot.interval import HISTORY_KEY, AutoSchedule, Intervals, schedule_group
 from resilient.snapshot.flatten import iter_leaves
 from resilient.snapshot.restore import restore_candidates
 from resilient.snapshot.tiers import StoreInfo, forget_after, tiered_candidates
+
+log = logging.getLogger(__name__)
 
 # A failing rank's wait for its in-flight snapshot writes: the node store's (tmpfs) take
 # milliseconds; a durable upload cut short is never committed and is collected later.
@@ -206,10 +211,12 @@ class StateKeeper:
         a fresh run never pays for it). ``snapshot.resume = false`` skips the start-up
         restore, not a rollback's. Collective."""
         if self.durable is None or (not self.cfg.resume and max_step is None):
+            self._learn_epoch()
             return None
         t0 = time.perf_counter()
         durable = self.durable.reader()
-        candidates, readers = tiered_candidates(self.store, durable, self.events, self.secret, self.ledger)
+        candidates, readers, epoch = tiered_candidates(self.store, durable, self.events, self.secret, self.ledger)
+        self._stamp(epoch)
         on_durable = {c[0] for c in candidates if c[2] == "durable"}   # the same set on every rank
         try:
             if max_step is not None:
@@ -218,14 +225,14 @@ class StateKeeper:
                 return None
             if before is not None:
                 before()
-            restored, state = self._restore_from(candidates, fresh, t0)
+            restored, state = self._restore_from(candidates, fresh, t0, epoch)
         finally:
             for r in readers:
                 r.close()
         # A rollback (max_step) drops later versions of every tier itself: abandon_after.
         if restored is not None and self.rank == 0 and self.store is not None and max_step is None:
             try:
-                forget_after(self.store, restored.step, self.ledger, always=False, events=self.events)
+                self._stamp(forget_after(self.store, restored.step, self.ledger, always=False, events=self.events))
             except Exception:  # bookkeeping; the next commits go on regardless
                 pass
         if restored is None:
@@ -246,7 +253,28 @@ class StateKeeper:
             self.durable_step = restored.step
         return restored
 
-    def _restore_from(self, candidates: list, fresh: bool, t0: float) -> tuple[Restored | None, dict]:
+    def _stamp(self, epoch: Epoch | None) -> None:
+        """Rank 0 learned the run's rollback epoch: its versions of every tier carry it from now
+        on (rank 0's manifest speaks for the version: :func:`~resilient.snapshot.auth.admit`)."""
+        if epoch is None:
+            return
+        for writer in (self.memory, self.durable):
+            if writer is not None:
+                writer.epoch = max(writer.epoch, epoch.gen)
+
+    def _learn_epoch(self) -> None:
+        """No restore at start (``snapshot.resume = false``): rank 0 still reads the run's epoch,
+        so its new versions are not stamped with one a past rollback closed."""
+        if self.store is None or self.rank != 0:
+            return
+        try:
+            with self.store.client() as client:
+                self._stamp(read_run_epoch(client, self.store.run_id, self.secret, self.ledger, self.events))
+        except Exception as e:   # bookkeeping: the restore of a later start reads it again
+            log.warning("could not read the run's rollback epoch: %s", e)
+
+    def _restore_from(self, candidates: list, fresh: bool, t0: float,
+                      epoch: Epoch | None = None) -> tuple[Restored | None, dict]:
         state = self.state_fn()
         direct = fresh and all(_local(v).device.type == "cpu" for _, v, _, _ in iter_leaves(state)
                                if isinstance(v, torch.Tensor))
@@ -260,7 +288,8 @@ class StateKeeper:
         arena = writer.staging() if writer is not None and not direct else None
         self.timings["prepare_buffers"] = round(time.perf_counter() - t0, 4)
         restored = restore_candidates(candidates, state, rank=self.rank, config_digest=self.config_digest,
-                                      events=self.events, layout=self.layout, arena=arena, direct=direct)
+                                      events=self.events, layout=self.layout, arena=arena, direct=direct,
+                                      epoch=epoch)
         if writer is not None and direct:
             writer.prepare(state, background=True, staging=False)
         return restored, state
@@ -365,7 +394,7 @@ class StateKeeper:
         if self.durable is None or self.rank != 0:
             return
         if self.store is not None:
-            forget_after(self.store, step, self.ledger, events=self.events)
+            self._stamp(forget_after(self.store, step, self.ledger, events=self.events))
         dropped = self.durable.drop_after(step)
         if dropped:
             self.events.emit("gc", step=step, removed=dropped, kept=[], reason="rollback")

@@ -129,6 +129,9 @@ class Manifest:
     created: float = 0.0
     rank: int | None = None
     format_version: int = 1
+    # The run's rollback epoch its writer knew (rank 0's: :mod:`resilient.snapshot.epoch`): a
+    # version of a future a later rollback abandoned is refused, even when put back genuine.
+    epoch: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -66,6 +66,23 @@ class SnapshotUnsigned(SnapshotUnauthentic):
     secret): a reader that holds the secret cannot tell it from a forgery, so it is not loaded."""
 
 
+class SnapshotAbandoned(SnapshotUnauthentic):
+    """A genuine version (its MACs verify) of a step that a rollback abandoned: made in an epoch
+    before a rollback that kept only older steps (:mod:`resilient.snapshot.epoch`). It was deleted
+    at the rollback, so it is here only because it was put back (storage access, or a node store
+    kept across the rollback): never loaded, as it may hold the corruption rolled back from."""
+
+
+def admit(epoch: Any, m: Any, where: str) -> None:
+    """Raise :class:`SnapshotAbandoned` unless ``epoch`` (the run's :class:`~.epoch.Epoch`, None:
+    unknown) admits version ``m``: its step, and the epoch its rank 0 stamped in it."""
+    if epoch is not None and not epoch.admits(m.step, m.epoch):
+        raise SnapshotAbandoned(
+            f"{where}: step {m.step} (written in epoch {m.epoch}) belongs to a future that a rollback to step "
+            f"{epoch.cap(m.epoch)} abandoned (the run is in epoch {epoch.gen}); it was put back after that "
+            "rollback deleted it, and is not loaded", where)
+
+
 def attempt_of(obj: str) -> str:
     """The attempt directory a chunk's object lives in (its first path component)."""
     return obj.split("/", 1)[0]
@@ -191,7 +208,9 @@ def report(events: Any, error: SnapshotError) -> None:
         from resilient.secret import report_unauthentic
 
         key = error.obj or ""
-        report_unauthentic(events, "snapshot", key, str(error).removeprefix(f"{key}: "))
+        what = "abandoned snapshot version" if isinstance(error, SnapshotAbandoned) else "snapshot"
+        report_unauthentic(events, what, key, str(error).removeprefix(f"{key}: "))
 
 
-__all__ = ["VersionAuth", "SnapshotUnauthentic", "SnapshotUnsigned", "check_chunk", "report"]
+__all__ = ["VersionAuth", "SnapshotUnauthentic", "SnapshotUnsigned", "SnapshotAbandoned", "admit", "check_chunk",
+           "report"]

@@ -97,6 +97,7 @@ class Uploader:
         self.ring, self.opts, self.events = ring, opts, events
         self.layout, self.config_digest, self.committer = layout, config_digest, committer
         self.attempt = ""
+        self.epoch = 0   # the run's rollback epoch, stamped in each rank manifest (Snapshotter.epoch)
         self.remote = is_remote(fs)
         store = node_store_path(fs, root)  # an agent's node store: rewrite its spares, ring its bell
         self.spares = Spares(store / SPARES) if store is not None else None
@@ -197,7 +198,7 @@ class Uploader:
         m = Manifest(step=slot.step, world=self.world, layout=self.layout, config_digest=self.config_digest,
                      attempt=adir, tensors=tensors, values=slot.values,
                      rank_extras={self.rank: slot.extra}, extra=slot.global_extra if self.rank == 0 else None,
-                     created=time.time(), rank=self.rank)
+                     created=time.time(), rank=self.rank, epoch=self.epoch)
         doc = manifest_to_json(m)
         if self.auth is not None:
             doc = self.auth.sign_manifest(doc)
@@ -396,7 +397,9 @@ def merge_rank_manifests(parts: list[Manifest], where: str) -> Manifest:
                     attempt=first.attempt, tensors=tensors, values=values,
                     rank_extras={r: e for m in parts for r, e in m.rank_extras.items()},
                     extra=parts[0].extra if parts[0].rank == 0 else next((m.extra for m in parts if m.rank == 0), None),
-                    created=time.time(), rank=None)
+                    created=time.time(), rank=None,
+                    # rank 0's: the rank that rolls back knows the epoch (the others' may lag)
+                    epoch=next((m.epoch for m in parts if m.rank == 0), first.epoch))
 
 
 def _volume(sizes: tuple[int, ...]) -> int:

@@ -302,6 +302,8 @@ def manifest_to_json(m: Manifest) -> bytes:
         "ranks": {str(r): {"extra": e} for r, e in sorted(m.rank_extras.items())},
         "extra": m.extra,
     }
+    if m.epoch:   # only after a rollback: older readers and versions keep their bytes
+        head["epoch"] = m.epoch
     names: dict[str, str] = {}
 
     def name(s: str) -> str:  # the few object names of a manifest, encoded once each
@@ -477,13 +479,16 @@ def manifest_from_json(data: bytes, where: str) -> Manifest:
     except (ValueError, AttributeError):
         raise SnapshotCorrupt(f"{where}: 'ranks' is malformed", where) from None
     rank = doc.get("rank")
+    epoch = doc.get("epoch", 0)
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise SnapshotCorrupt(f"{where}: manifest field 'epoch' is not a count", where)
     return Manifest(
         step=_need(doc, "step", int, where), world=_need(doc, "world", int, where),
         layout=_need(doc, "layout", dict, where), config_digest=_need(doc, "config_digest", str, where),
         attempt=_need(doc, "attempt", str, where), tensors=tensors,
         values=_need(doc, "values", dict, where), rank_extras=rank_extras, extra=doc.get("extra"),
         created=_finite(_need(doc, "created", (int, float), where), "created", where),
-        rank=rank if isinstance(rank, int) else None, format_version=version)
+        rank=rank if isinstance(rank, int) else None, format_version=version, epoch=epoch)
 
 
 def _finite(value: int | float, key: str, where: str) -> float:

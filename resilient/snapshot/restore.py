@@ -23,7 +23,7 @@ import torch.distributed as dist
 from resilient.snapshot.api import (
     Manifest, Restored, SnapshotError, SnapshotMismatch,
 )
-from resilient.snapshot.auth import report as report_auth
+from resilient.snapshot.auth import admit, report as report_auth
 from resilient.snapshot.boxes import Box, local_pieces
 from resilient.snapshot.capture import ALIGN
 from resilient.snapshot.durable import emit
@@ -134,7 +134,7 @@ def restore_state(reader: SnapshotReader, state: dict, *, rank: int, config_dige
 def restore_candidates(candidates: list[tuple[int, Any, str]], state: dict, *, rank: int,
                        config_digest: str = "", strict: bool = True, events: Any = None,
                        layout: dict | None = None, arena: torch.Tensor | None = None,
-                       direct: bool = False) -> Restored | None:
+                       direct: bool = False, epoch: Any = None) -> Restored | None:
     """Try ``(step, reader, tier)`` in order (the same list on every rank) until one stages on
     every rank; copy it in place. A reader is a :class:`SnapshotReader` or anything with its
     ``url``, ``threads``, ``manifest``, ``manifest_path`` and ``read_chunk`` (the memory tiers);
@@ -147,13 +147,18 @@ def restore_candidates(candidates: list[tuple[int, Any, str]], state: dict, *, r
     whole state and the staging buffer. The all-or-nothing guarantee is then per version
     tried: a version that fails on some rank may have overwritten tensors before the next
     one (which covers every tensor again) is read; if none can be restored this raises
-    as always, and the state must not be used."""
+    as always, and the state must not be used.
+
+    ``epoch``: the run's rollback epoch (:class:`~resilient.snapshot.epoch.Epoch`; rank 0's is
+    enough, as every rank falls back together): a version a rollback abandoned is refused
+    (:class:`~resilient.snapshot.auth.SnapshotAbandoned`) before any of its chunks is read."""
     t0 = time.monotonic()
     first_error: SnapshotError | None = None
     for step, reader, tier in candidates:
         err: SnapshotError | None = None
         try:
             m = reader.manifest(step)
+            admit(epoch, m, reader.manifest_path(step))
             with torch.no_grad():
                 copies, assigns, nbytes = _stage(reader, m, state, config_digest, strict, _Staging(arena), direct)
         except SnapshotError as e:

@@ -241,6 +241,17 @@ class Snapshotter:
                              strict=strict, events=self.events, layout=self.layout,
                              arena=None if direct else self.staging(), direct=direct)
 
+    @property
+    def epoch(self) -> int:
+        """The run's rollback epoch stamped in this rank's manifests (:mod:`.epoch`; 0 before any
+        rollback). The job's rank 0 sets it once it knows it: a restore refuses a version of a
+        step that a rollback of a later epoch abandoned, even one put back with its MACs intact."""
+        return self._uploader.epoch
+
+    @epoch.setter
+    def epoch(self, gen: int) -> None:
+        self._uploader.epoch = int(gen)
+
     def reader(self) -> SnapshotReader:
         """A reader of this writer's URL that checks what this writer signs (the same secret)."""
         return SnapshotReader(self.url, self.storage_options, self.retry, self.opts.threads * 2, secret=self.auth)

@@ -36,9 +36,9 @@ import torch.distributed as dist
 from resilient.ledger import Copy
 from resilient.snapshot.api import Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
 from resilient.snapshot.auth import VersionAuth, report as report_auth
-from resilient.snapshot.commits import read_commits
+from resilient.snapshot.commits import read_commits_epoch, run_epoch
 from resilient.snapshot.durable import emit, merge_rank_manifests
-from resilient.snapshot.epoch import abandon_after
+from resilient.snapshot.epoch import Epoch, abandon_after
 from resilient.snapshot.format import manifest_from_json, version_dir
 from resilient.snapshot.nodestore import NodeStore, rank_of
 from resilient.snapshot.peer import PeerClient, PeerError
@@ -99,6 +99,13 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None, copies: Ite
     Only registry entries and commit records that authenticate with the job secret count, and
     of these only the commits no rollback abandoned (:mod:`.epoch`; the run's epoch is read
     from etcd and from ``copies``, the run's ledger beside it)."""
+    return memory_plan_epoch(info, limit, events, copies)[0]
+
+
+def memory_plan_epoch(info: StoreInfo, limit: int = 4, events: Any = None,
+                      copies: Iterable[Copy] = ()) -> tuple[list[dict], Epoch]:
+    """:func:`memory_plan`, and the run's epoch (what the restore judges every candidate's
+    manifest by: a kept tree's versions have no commit record to judge)."""
     from resilient.secret import REGISTRY, read_records
 
     secret = info.secret()
@@ -107,7 +114,8 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None, copies: Ite
                                                          secret, events, "node registry entry").values()
                 if isinstance(doc.get("node"), str)}
         records: dict[int, dict] = {}
-        for rec in read_commits(client, info.run_id, secret, events, copies):
+        commits, epoch = read_commits_epoch(client, info.run_id, secret, events, copies)
+        for rec in commits:
             step = rec["step"]
             have = records.get(step)
             if have is None or have["attempt"] != rec["attempt"]:
@@ -117,7 +125,9 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None, copies: Ite
             for r, h in rec["holders"].items():  # same version, both tiers: union of holders
                 have["holders"][r] = have["holders"].get(r, []) + [n for n in h if n not in have["holders"].get(r, [])]
     plan = []
-    kept_by: dict[int, set[str]] = {}   # step -> nodes whose adopted tree holds it (incarnation aside)
+    # (step, rank) -> nodes whose adopted tree holds that rank's files of it (incarnation aside):
+    # a kept tree vouches for the ranks it holds, not for every rank a commit once gave its node
+    kept_by: dict[tuple[int, str], set[str]] = {}
     for step, attempt, world, holders in kept_plans(live):
         rec = records.get(step)
         if rec is not None and rec["attempt"] != attempt:
@@ -126,15 +136,15 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None, copies: Ite
             rec = records[step] = {"step": step, "attempt": attempt, "world": world, "holders": {}}
         for r, h in holders.items():   # committed too: its holders, and the kept trees that hold it now
             rec["holders"][r] = rec["holders"].get(r, []) + [n for n in h if n not in rec["holders"].get(r, [])]
-        kept_by[step] = {n for h in holders.values() for n in h}
+            kept_by[(step, r)] = set(h)
     for step in sorted(records, reverse=True):
         rec = records[step]
         # A holder counts if it is alive *and* is the same incarnation: an agent started after
         # the commit (a restarted node, same name) has a fresh, empty store, unless it adopted
         # the tree its dead predecessor left (kept_by).
         born = float(rec.get("time", float("inf")))
-        kept = kept_by.get(step, set())
-        holders = {r: [n for n in h if n in live and (n in kept or float(live[n].get("since", 0)) <= born)]
+        holders = {r: [n for n in h if n in live and (n in kept_by.get((step, r), ())
+                                                      or float(live[n].get("since", 0)) <= born)]
                    for r, h in rec["holders"].items()}
         if len(holders) < rec["world"] or any(not holders.get(str(r)) for r in range(rec["world"])):
             continue
@@ -143,7 +153,7 @@ def memory_plan(info: StoreInfo, limit: int = 4, events: Any = None, copies: Ite
                      "holders": holders, "peers": peers})
         if len(plan) >= limit:
             break
-    return plan
+    return plan, epoch
 
 
 def kept_plans(live: dict[str, dict]) -> list[tuple[int, str, int, dict[str, list[str]]]]:
@@ -166,13 +176,14 @@ def kept_plans(live: dict[str, dict]) -> list[tuple[int, str, int, dict[str, lis
 
 
 def forget_after(info: StoreInfo, step: int, copies: Iterable[Copy] = (), always: bool = True,
-                 events: Any = None) -> None:
+                 events: Any = None) -> Epoch | None:
     """Rank 0, after restoring ``step``: drop commit records of later steps (a rollback), so
     a version of the abandoned future is never restored later, even if put back: the run's
     epoch goes up first, in etcd and in ``copies`` (:func:`~resilient.snapshot.epoch.abandon_after`).
-    ``always=False``: only when there are later records (a restore that went back past nothing)."""
+    ``always=False``: only when there are later records (a restore that went back past nothing).
+    The new epoch, or None when nothing changed."""
     with info.client() as client:
-        abandon_after(client, info.run_id, info.secret(), step, copies, events, always=always)
+        return abandon_after(client, info.run_id, info.secret(), step, copies, events, always=always)
 
 
 def broadcast_json(value: Any) -> Any:
@@ -314,19 +325,25 @@ class MemoryReader:
 
 
 def tiered_candidates(info: StoreInfo | None, durable: SnapshotReader | None, events: Any,
-                      secret: bytes | None, copies: Iterable[Copy] = ()) -> tuple[list[tuple[int, Any, str]],
-                                                                                  list[MemoryReader]]:
+                      secret: bytes | None, copies: Iterable[Copy] = ()
+                      ) -> tuple[list[tuple[int, Any, str]], list[MemoryReader], Epoch | None]:
     """The same ``(step, reader, tier)`` list on every rank: memory versions and durable ones,
-    newest step first, memory before durable at one step. Collective."""
-    doc = None
+    newest step first, memory before durable at one step; and, on rank 0, the run's rollback
+    epoch (None elsewhere, and without a node store: no ledger to read it from), by which
+    :func:`~.restore.restore_candidates` refuses an abandoned version of any tier. Collective."""
+    doc, epoch = None, None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         mem = []
         if info is not None:
             try:
-                mem = memory_plan(info, events=events, copies=copies)
+                mem, epoch = memory_plan_epoch(info, events=events, copies=copies)
             except Exception as e:  # etcd down: the durable tier still works
                 emit(events, "restore_fallback", step=-1, url=f"memory://{info.run_id}", tier="memory",
                      error=f"cannot read memory commit records: {e}", error_type=type(e).__name__, obj=None)
+                try:   # the ledger's other copies still say it
+                    epoch = run_epoch(None, secret, info.run_id, copies, events) if secret is not None else None
+                except Exception:
+                    epoch = None
         steps = []
         if durable is not None:
             try:
@@ -340,4 +357,4 @@ def tiered_candidates(info: StoreInfo | None, durable: SnapshotReader | None, ev
     out = [(r.plan["step"], r, "memory") for r in readers]
     out += [(s, durable, "durable") for s in doc["durable"]]
     out.sort(key=lambda c: (-c[0], c[2] != "memory"))
-    return out, readers
+    return out, readers, epoch
