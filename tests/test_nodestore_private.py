@@ -95,3 +95,41 @@ def test_store_files_are_private_and_a_moved_store_is_not_recreated(tmp_path):
         store.remove()
     finally:
         os.umask(old)
+
+
+def test_two_relaunches_adopting_one_kept_tree_at_once_only_one_adopts(tmp_path):
+    """The owner check and the owner's write happen under the tree's lock: a second relaunch that
+    reaches the kept tree while the first is adopting it waits, then finds it alive, and refuses."""
+    import json
+    import subprocess
+    import threading
+
+    from resilient.procs import OWNER, owner_record
+    from resilient.snapshot.api import StorageError
+    from resilient.snapshot.nodestore import _locked
+
+    base = _sticky_base(tmp_path)
+    kept = NodeStore(base, "job", "n0")
+    kept.create()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (kept.path / OWNER).write_text(json.dumps({"pid": gone.pid, "pid_started": 0.0, "pid_ticks": -1}))  # died
+    got: list = []
+
+    def second() -> None:
+        try:
+            got.append(NodeStore(base, "job", "n0").create())
+        except StorageError as e:
+            got.append(e)
+
+    try:
+        with _locked(kept.path):   # the first relaunch, between its check and its owner's write
+            t = threading.Thread(target=second, daemon=True)
+            t.start()
+            t.join(0.5)
+            assert t.is_alive() and not got, "the second relaunch did not wait for the first's adoption"
+            (kept.path / OWNER).write_text(owner_record(node="n0"))
+        t.join(60)
+        assert len(got) == 1 and isinstance(got[0], StorageError) and "another live agent owns" in str(got[0])
+    finally:
+        kept.remove()

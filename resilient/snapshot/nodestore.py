@@ -29,6 +29,7 @@ day or when the tmpfs runs short, and a finished run's agent removes its run's.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -81,6 +82,18 @@ def rank_of(rel: str) -> int:
     return int(m.group(1))
 
 
+@contextlib.contextmanager
+def _locked(tree: Path):
+    """An exclusive ``flock`` on the directory ``tree`` (not followed if a link), released on exit
+    or when the holder dies."""
+    fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class LocalVersion:
     """Rank manifests present in the store for one ``step-S/ATTEMPT``."""
@@ -115,11 +128,15 @@ class NodeStore:
             reclaimed = []
         self.adopted: list[LocalVersion] = []
         if self.path.exists():
-            if owner_alive(self.path):
-                raise StorageError(f"{self.path}: another live agent owns node {self.node!r} of run "
-                                   f"{self.run_id!r}; give this node another --node-id", str(self.path))
             private_dir(self.path, "the node store")  # ours, 0700, not a link: else refused
-            self._adopt()
+            # Two relaunches of one node adopting its kept tree at once (a supervisor and an
+            # operator, say): the check and the owner's write under one lock, so only one adopts
+            # and the other finds it alive.
+            with _locked(self.path):
+                if owner_alive(self.path):
+                    raise StorageError(f"{self.path}: another live agent owns node {self.node!r} of run "
+                                       f"{self.run_id!r}; give this node another --node-id", str(self.path))
+                self._adopt()
             return reclaimed
         # Born with its owner file: built under a hidden name, then renamed into
         # place, so an agent starting at the same moment never sees our tree
