@@ -168,3 +168,33 @@ def test_the_committer_refuses_a_rank_manifest_it_cannot_authenticate(tmp_path):
 from resilient.snapshot.auth import VersionAuth  # noqa: E402
 
 OTHER_AUTH = VersionAuth(OTHER)
+
+
+def test_chunk_sizes_stay_within_what_a_reader_takes_and_one_gmac_call_takes(monkeypatch):
+    """``snapshot.chunk_mib`` is bounded by what a reader inflates (1 GiB, refused above before
+    allocation) and so by one AES-GMAC call's 2 GiB; a chunk above one call (a single row that
+    large) is tagged in slices, to the same tag a single call gives."""
+    import os
+
+    from resilient.errors import ConfigError
+    from resilient.snapshot import auth
+    from resilient.snapshot.api import ChunkRecord
+    from resilient.snapshot.config import MAX_CHUNK_MIB, SnapshotConfig
+    from resilient.snapshot.format import MAX_INFLATE
+
+    assert MAX_CHUNK_MIB << 20 == MAX_INFLATE < auth.ONE_CALL
+    for bad in (0, -1, MAX_CHUNK_MIB + 1, 1 << 20, True, 1.5):
+        with pytest.raises(ConfigError, match="snapshot.chunk_mib"):
+            SnapshotConfig(chunk_mib=bad)
+    with pytest.raises(ConfigError, match="snapshot.part_mib"):
+        SnapshotConfig(part_mib=0)
+    SnapshotConfig(chunk_mib=MAX_CHUNK_MIB)
+
+    va, raw, nonce = auth.VersionAuth(SECRET), bytearray(os.urandom(5000)), os.urandom(auth.NONCE)
+    whole = va.chunk_mac(3, "a-000001", raw, nonce)
+    monkeypatch.setattr(auth, "ONE_CALL", 1000)   # as if the chunk were above 2 GiB
+    assert va.chunk_mac(3, "a-000001", raw, nonce) == whole
+    chunk = ChunkRecord("a-000001/r00000-p0000.bin", 0, len(raw), len(raw), (0,), (len(raw),), "", "none", whole)
+    assert va.chunk_ok(3, chunk, raw)
+    raw[4321] ^= 1
+    assert not va.chunk_ok(3, chunk, raw)

@@ -49,6 +49,9 @@ CHUNK_PURPOSE = "snapshot-chunk"
 CHUNK_MAC = "gmac:"
 NONCE = 12
 TAG = 16
+# The most one AESGCM call of ``cryptography`` authenticates (its C API takes an int); a
+# chunk is cut at snapshot.chunk_mib (at most 1 GiB), larger only when one row of its tensor is.
+ONE_CALL = (1 << 31) - 1
 _MANIFEST_MAC = re.compile(rb',"mac":"hmac-sha256:([0-9a-f]{64})"\}\s*\Z')
 _CHUNK_MAC = re.compile(r"gmac:([0-9a-f]{24})([0-9a-f]{32})")
 SIGN_HINT = ("if you trust it (your own checkpoint from before authenticated versions), adopt it with "
@@ -81,6 +84,12 @@ def admit(epoch: Any, m: Any, where: str) -> None:
             f"{where}: step {m.step} (written in epoch {m.epoch}) belongs to a future that a rollback to step "
             f"{epoch.cap(m.epoch)} abandoned (the run is in epoch {epoch.gen}); it was put back after that "
             "rollback deleted it, and is not loaded", where)
+
+
+def _slices(raw: Any, size: int = 1 << 30):
+    """``raw``'s bytes as views of at most ``size`` bytes (one GMAC call takes under 2 GiB)."""
+    view = memoryview(raw).cast("B")
+    return (view[i:i + size] for i in range(0, len(view), size))
 
 
 def attempt_of(obj: str) -> str:
@@ -118,12 +127,16 @@ class VersionAuth:
     def chunk_mac(self, step: int, attempt: str, raw: Any, nonce: bytes | None = None) -> str:
         """The ``mac`` field of a chunk whose raw bytes are ``raw`` in version (``step``, ``attempt``)."""
         nonce = os.urandom(NONCE) if nonce is None else nonce
+        if memoryview(raw).nbytes > ONE_CALL:   # one row above 2 GiB: more than one call takes
+            return self.chunk_mac_pieces(step, attempt, _slices(raw), nonce)
         return CHUNK_MAC + nonce.hex() + self._gmac(step, attempt).encrypt(nonce, b"", raw).hex()
 
     def chunk_ok(self, step: int, chunk: ChunkRecord, raw: Any) -> bool:
         m = _CHUNK_MAC.fullmatch(chunk.mac or "")
         if m is None:
             return False
+        if memoryview(raw).nbytes > ONE_CALL:
+            return self.chunk_ok_pieces(step, chunk, _slices(raw))
         nonce, tag = bytes.fromhex(m.group(1)), bytes.fromhex(m.group(2))
         got = self._gmac(step, attempt_of(chunk.object)).encrypt(nonce, b"", raw)
         return hmac.compare_digest(got, tag)
@@ -137,7 +150,7 @@ class VersionAuth:
         key = self.secret.mac(CHUNK_PURPOSE, b"%d" % step, attempt.encode())[:16]
         gmac = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
         for p in pieces:
-            gmac.authenticate_additional_data(bytes(p))
+            gmac.authenticate_additional_data(p)
         gmac.finalize()
         return CHUNK_MAC + nonce.hex() + gmac.tag.hex()
 

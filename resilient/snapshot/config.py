@@ -11,6 +11,9 @@ from resilient.errors import ConfigError
 # ``snapshot.every`` / ``snapshot.durable_every`` = "auto": the interval is chosen while the job
 # runs (resilient.snapshot.interval), from what a version costs and how often the job fails.
 AUTO = "auto"
+# The largest chunk a writer may cut: what a reader accepts (resilient.snapshot.format.MAX_INFLATE,
+# 1 GiB, refused above it before allocation), well under one AES-GMAC call's 2 GiB - 1.
+MAX_CHUNK_MIB = 1024
 
 
 def _interval(name: str, value: int | str) -> int | str:
@@ -47,7 +50,7 @@ class SnapshotConfig:
     compress: str = knob("auto", "zstd for payloads: 'none', 'zstd', or 'auto' (zstd only for bf16/fp16 payloads to remote URLs, where it beats the link)", choices=("auto", "none", "zstd"))
     upload_threads: int = knob(4, "parallel chunk uploads to the durable tier")
     resume: bool = knob(True, "on start, restore the newest complete version found in the tiers")
-    chunk_mib: int = knob(16, "durable format: cut each shard into chunks of at most this many MiB (one checksum each; a resharding reader fetches at most one extra chunk per boundary)")
+    chunk_mib: int = knob(16, "durable format: cut each shard into chunks of at most this many MiB (one checksum and one MAC each; a resharding reader fetches at most one extra chunk per boundary); 1 to 1024: a reader refuses a chunk that claims more, and one AES-GMAC call takes under 2 GiB")
     part_mib: int = knob(64, "durable tier: pack a rank's chunks into objects of about this many MiB (one PUT and one retry unit each)")
     memory: bool = knob(True, "under `resilient launch`: write every captured version into the node's shared-memory store and replicate it to peers (local and peer RAM tiers)")
     store_dir: str = knob("/dev/shm", "tmpfs directory that holds the node store (STORE_DIR/resilient-u<uid>/resilient-<run_id>/<node>/: a 0700 root per user, checked before use; owned by you or root, sticky if others may write it)")
@@ -73,6 +76,11 @@ class SnapshotConfig:
                               f"{self.auto_max_steps}: expected 1 <= auto_min_steps <= auto_max_steps")
         if self.commit not in ("etcd", "leader"):
             raise ConfigError(f"'snapshot.commit' = {self.commit!r}: use 'etcd' or 'leader'")
+        if isinstance(self.chunk_mib, bool) or not isinstance(self.chunk_mib, int) or not 1 <= self.chunk_mib <= MAX_CHUNK_MIB:
+            raise ConfigError(f"'snapshot.chunk_mib' = {self.chunk_mib!r}: expected 1 to {MAX_CHUNK_MIB} MiB (a reader "
+                              f"refuses a chunk that inflates to more: resilient.snapshot.format.MAX_INFLATE)")
+        if isinstance(self.part_mib, bool) or not isinstance(self.part_mib, int) or self.part_mib < 1:
+            raise ConfigError(f"'snapshot.part_mib' = {self.part_mib!r}: expected a size in MiB >= 1")
         if not self.auto_mtbf_hours > 0:
             raise ConfigError(f"'snapshot.auto_mtbf_hours' = {self.auto_mtbf_hours!r}: expected hours > 0")
 

@@ -48,7 +48,7 @@ from resilient.snapshot.api import ChunkRecord, Manifest, SnapshotError, Snapsho
 from resilient.snapshot.capture import Slot, SlotRing, chunk_views
 from resilient.snapshot.auth import VersionAuth, report as report_auth
 from resilient.snapshot.format import (
-    MANIFEST_NAME, check_no_overlap, checksum, compress, crc, dtype_name, manifest_from_json, manifest_to_json,
+    MANIFEST_NAME, MAX_INFLATE, check_no_overlap, checksum, compress, crc, dtype_name, manifest_from_json, manifest_to_json,
     should_compress, version_dir,
 )
 from resilient.snapshot.nodestore import BELL, SPARES, Doorbell, Spares
@@ -156,7 +156,8 @@ class Uploader:
                 data, how = views[i], "none"
                 raw_crc, mac = slot.seals.get((i, fp), lambda: seal(views[i]))
                 check = f"crc32c:{raw_crc:08x}"
-                if should_compress(self.opts.compress, c.dtype, self.remote):
+                # a chunk above what a reader inflates (one row > MAX_INFLATE) is stored raw
+                if should_compress(self.opts.compress, c.dtype, self.remote) and c.nbytes <= MAX_INFLATE:
                     packed = compress(data)
                     if len(packed) < 0.97 * len(data):  # only where it pays
                         data, how, check = packed, "zstd", checksum(packed)
@@ -173,7 +174,8 @@ class Uploader:
         chunks = [slot.plan.chunks[i] for i in idxs]
         # Known beforehand unless a chunk may be compressed (a node store then maps the file).
         size = (sum(c.nbytes for c in chunks)
-                if not any(should_compress(self.opts.compress, c.dtype, self.remote) for c in chunks)
+                if not any(should_compress(self.opts.compress, c.dtype, self.remote) and c.nbytes <= MAX_INFLATE
+                           for c in chunks)
                 else lambda: sum(r.length for _, r in records))
         with_retry(lambda: write_object(self.fs, f"{vdir}/{obj}", payloads(), size, self.spares),
                    f"{vdir}/{obj}", self.opts.retry, bump)
