@@ -80,3 +80,28 @@ def test_peer_order_prefers_other_domains():
     assert peer_order("c", nodes, 1) == ["a"]
     assert peer_order("a", {"a": {"domain": "r1"}, "b": {"domain": "r1"}}, 1) == ["b"]  # fallback
     assert peer_order("a", {"a": {}}, 1) == []
+
+
+def test_the_peer_server_listens_where_peers_are_told_not_on_every_interface(tmp_path):
+    """Default (``snapshot.store_host = ""``): bound to the address it advertises (this host's
+    name's), so another network of the host never sees the port; an address that is not this
+    host's is a typed error naming the knob."""
+    from resilient.snapshot.api import StorageError
+    from resilient.snapshot.config import SnapshotConfig
+
+    assert SnapshotConfig().store_host == ""
+    store = NodeStore(tmp_path / "shm", "job", "n0")
+    store.create()
+    try:
+        srv = PeerServer(store, SECRET)
+        try:
+            bound = srv._srv.socket.getsockname()[0]
+            assert bound not in ("0.0.0.0", "::") and srv.address == f"{bound}:{srv.port}"
+            with PeerClient(srv.address, SECRET) as c:   # where peers are told, it answers
+                c.put(REL, b"x")
+        finally:
+            srv.close()
+        with pytest.raises(StorageError, match="snapshot.store_host"):
+            PeerServer(store, SECRET, host="192.0.2.1")   # TEST-NET-1: never this host's
+    finally:
+        store.remove()

@@ -62,7 +62,7 @@ class StoreSettings:
     replicas: int = 1
     keep: int = 2
     rate_bytes_s: float = 0.0
-    host: str = "0.0.0.0"
+    host: str = ""   # snapshot.store_host: "" = the address peers are told (resilient.snapshot.peer)
     duty: float = 0.1
     max_stride: int = 1
     commit: str = "leader"   # as SnapshotConfig.commit; launch.store_settings passes it

@@ -61,9 +61,9 @@ class SnapshotConfig:
     # 1 by default: the promise is at most one step lost per failure; on a
     # host where replication eats into training (2 shared cores) 2 halves its cost.
     replicate_max_stride: int = knob(1, "peer RAM budget: replicate at least every N-th version; 1 = every version (at most one step lost per failure); 2 = every 2nd when replication costs more than replicate_duty (a failure may lose one step more)")
-    # Every interface: peers on other machines must reach it; the channel's handshake (the job
-    # secret) is what keeps others out (resilient.snapshot.peer, "Where it listens").
-    store_host: str = knob("0.0.0.0", "peer RAM: address the node store's server binds to; 0.0.0.0 (the default) = every interface, as peers on other machines push and read there; every connection must prove the job secret. Set the fleet network's interface on a host with other networks")
+    # The address peers are told, not every interface: a host's other networks (a management
+    # or public one) never see the port (resilient.snapshot.peer, "Where it listens").
+    store_host: str = knob("", "peer RAM: address the node store's server binds to, which peers are told; empty (the default) = this host's address (what its hostname resolves to: peers on other machines push and read there); 0.0.0.0 = every interface; every connection must prove the job secret either way")
     commit: str = knob("leader", "memory tiers' commit protocol: 'leader' (rank 0's node gathers every node's holds over the peer channel and commits: 2 etcd writes per version, whatever N) or 'etcd' (every node records its holds in etcd: N + 1 etcd writes and N² bytes per version; no leader)")
 
     def __post_init__(self) -> None:

@@ -34,13 +34,14 @@ caught too (:class:`SnapshotCorrupt`).
 Framing: ``u32 length`` + JSON header (+ tag), then ``header["size"]`` raw
 bytes in pieces (+ a tag each). Nothing is ever unpickled.
 
-Where it listens: every interface by default (``snapshot.store_host = "0.0.0.0"``),
-unlike the metrics page (loopback, ``launch.metrics_host``): peers on other machines
-push replicas here and restoring workers there read from it, so a fleet needs it
-reachable, and the handshake above is what keeps everyone else out (a connection
+Where it listens: on the address peers are told, by default this host's address (what
+its hostname resolves to; ``snapshot.store_host = ""``), not on every interface: peers on
+other machines push replicas here and restoring workers there read from it, so it must
+be reachable where they are told, and nowhere else (a management or public network
+beside the fleet's never sees the port). ``snapshot.store_host`` names another address
+(the fleet's interface where the hostname resolves elsewhere), or ``0.0.0.0`` for every
+interface. Either way the handshake above is what keeps everyone else out (a connection
 that cannot prove the secret is closed before any request is read).
-A host with an untrusted network beside the fleet's binds it to the fleet's
-interface (``snapshot.store_host``, the address peers are told is the same).
 """
 
 from __future__ import annotations
@@ -327,7 +328,7 @@ class _Server(socketserver.ThreadingTCPServer):
 class PeerServer:
     """Serves one node store to authenticated peers, on a free port, in daemon threads."""
 
-    def __init__(self, store: NodeStore, secret: JobSecret | bytes, host: str = "0.0.0.0",
+    def __init__(self, store: NodeStore, secret: JobSecret | bytes, host: str = "",
                  advertise: str = "", io_timeout: timedelta = timedelta(seconds=30)):
         self.store, self.secret, self.io_timeout = store, JobSecret.of(secret), io_timeout
         self.closed = False
@@ -335,7 +336,14 @@ class PeerServer:
         # takes a peer's question of which version this node's commit gathers, returns the answer.
         self.on_holds: Callable[[dict], dict] | None = None
         self.on_target: Callable[[dict], dict] | None = None
-        self._srv = _Server((host, 0), _Handler)
+        bind = host or _default_host(host)   # "": where peers are told
+        try:
+            self._srv = _Server((bind, 0), _Handler)
+        except OSError as e:
+            raise StorageError(f"the node store's peer server cannot listen on {bind} ({e.strerror}): "
+                               + ("this host's name resolves to an address that is not its own; " if not host else "")
+                               + "set snapshot.store_host to the address peers reach this host at (0.0.0.0: every "
+                               "interface)", bind) from None
         self._srv.owner = self
         self.port = self._srv.server_address[1]
         self.address = f"{advertise or _default_host(host)}:{self.port}"
