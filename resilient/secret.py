@@ -109,6 +109,12 @@ class JobSecretError(ResilientError):
     """The job secret is missing, unreadable, too short, or in a file other users can read."""
 
 
+class SecretMismatch(JobSecretError):
+    """Another agent of this run holds a different job secret (its registry entry names another
+    secret fingerprint): the two could never authenticate each other's records, and would
+    only log ``auth_failure`` until a rendezvous timed out. Give every node the same secret."""
+
+
 class Unauthentic(ResilientError):
     """A record or payload does not carry a valid MAC under this node's job secret: written by
     a process without the secret, tampered with, truncated, or from a job with another secret."""

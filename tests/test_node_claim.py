@@ -94,3 +94,27 @@ def test_forged_entries_never_hold_an_id_nor_count_as_live(etcd, job_secret):
         assert set(me.alive()) == {"n0"}
         assert me.proven_dead(["n1", "n2"]) == set()
         me.leave()
+
+
+def test_an_agent_with_another_secret_is_told_at_once_by_fingerprint(etcd, job_secret):
+    """Two agents of one run with different secrets: the second's claim raises SecretMismatch
+    naming both fingerprints (not a stream of auth_failures until a rendezvous times out), and
+    its claim is withdrawn; agents with the same secret pass."""
+    from resilient.secret import JobSecret, JobSecretError, SecretMismatch
+
+    run_id = unique_run_id("claim")
+    ours, other = JobSecret(b"o" * 32), JobSecret(b"t" * 32)
+    with etcd.client() as client:
+        a = NodeRegistry(client, run_id, "n0", "r0", TTL, secret=ours)
+        a.claim(job="A")
+        same = NodeRegistry(client, run_id, "n1", "r1", TTL, secret=ours)
+        same.claim(job="A")
+        b = NodeRegistry(client, run_id, "n2", "r2", TTL, secret=other)
+        with pytest.raises(SecretMismatch) as e:
+            b.claim(job="A")
+        assert isinstance(e.value, JobSecretError)
+        assert ours.fingerprint in str(e.value) and other.fingerprint in str(e.value) and "same secret" in str(e.value)
+        assert client.get(b.prefix + "n2") is None   # withdrawn: the node id is free again
+        assert set(a.alive()) == {"n0", "n1"}
+        a.leave()
+        same.leave()

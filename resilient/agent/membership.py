@@ -36,7 +36,9 @@ import psutil
 
 from resilient.agent.api import NodeIdInUse
 from resilient.etcd import EtcdClient, EtcdError, LivenessLease
-from resilient.secret import REGISTRY, JobSecret, Unauthentic, read_records, report_unauthentic, require_secret
+from resilient.secret import (
+    REGISTRY, JobSecret, SecretMismatch, Unauthentic, read_records, report_unauthentic, require_secret,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +132,10 @@ class NodeRegistry:
         self.events = events
         self.prefix = registry_prefix(run_id)
         self.node_id = node_id
+        # "secret": the secret's fingerprint (a name, not the secret): an agent launched with
+        # another secret is told so at once (:meth:`refuse_other_secrets`)
         self.info = {"node": node_id, "domain": domain or node_id, "host": socket.gethostname(),
-                     "pid": os.getpid(), "since": time.time()}
+                     "pid": os.getpid(), "since": time.time(), "secret": self.secret.fingerprint}
         self.lease = LivenessLease(client, ttl)
         self._missing: dict[str, int] = {}
         self._checks = 0                              # lost() calls: every few is a full read
@@ -161,6 +165,11 @@ class NodeRegistry:
         while True:
             got = self.client.compare_and_swap(key, self._sealed(), mod_revision=seen, lease=self.lease.id)
             if got.succeeded:
+                try:
+                    self.refuse_other_secrets()
+                except SecretMismatch:
+                    self.leave()   # our claim must not hold the node id for a lease ttl
+                    raise
                 return
             if got.kv is None:  # gone between the compare and now: create it
                 seen = None
@@ -181,6 +190,40 @@ class NodeRegistry:
                     f"on host {holder.get('host')!r}); give this node another --node-id, or stop that agent first")
             seen = None
             time.sleep(0.5)
+
+    def refuse_other_secrets(self) -> None:
+        """Raise :class:`~resilient.secret.SecretMismatch` when another live agent of this run
+        holds another job secret: its entry fails our MAC and names another fingerprint.
+
+        A launch with the wrong secret file would otherwise only log ``auth_failure`` (each
+        agent refuses the other's records) until a rendezvous timed out. The fingerprint is
+        unauthenticated (that is the point: we cannot check the other's MAC), so a writer of
+        etcd can make a launch stop here; it can deny service in plainer ways too, and it can
+        never make a forged record count."""
+        theirs: dict[str, str] = {}
+        for kv in self.client.get_prefix(self.prefix):
+            key = kv.key.decode(errors="replace")
+            if key == self.prefix + self.node_id:
+                continue
+            try:
+                self.secret.open_record(PURPOSE, key, kv.value)
+                continue
+            except Unauthentic:
+                pass
+            try:
+                doc = json.loads(kv.value)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            fp = doc.get("secret") if isinstance(doc, dict) else None
+            if isinstance(fp, str) and fp != self.secret.fingerprint:
+                theirs[key.removeprefix(self.prefix)] = fp[:64]
+        if theirs:
+            raise SecretMismatch(
+                f"node(s) {sorted(theirs)} of run {self.run_id!r} hold a job secret with fingerprint "
+                f"{sorted(set(theirs.values()))}, this node's (from {self.secret.source}) has fingerprint "
+                f"{self.secret.fingerprint}: their records and this node's cannot authenticate each other. Give "
+                "every node the same secret (the same --secret-file, $RESILIENT_JOB_SECRET_FILE or "
+                "$RESILIENT_JOB_SECRET), then relaunch this node")
 
     def _sealed(self) -> str:
         return self.secret.seal_record(PURPOSE, self.prefix + self.node_id, self.info)
