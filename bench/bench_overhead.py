@@ -12,8 +12,10 @@ compared pairwise within each cycle of blocks:
 - a benchmark-only hook (bench/overhead_hook/sitecustomize.py, on the job's
   PYTHONPATH) switches per block: ``off`` (no capture, no checks), ``snap``
   (capture into the node store every step, replicated by the agent to the
-  peer node), ``sdc`` (checks only), ``snap+sdc`` (everything);
-- blocks cycle through the 4 modes, the order rotated each cycle; the first
+  peer node), ``sdc`` (checks only), ``snap+sdc`` (everything), ``snap+nomac``
+  (``snap`` with the chunks' AES-GMAC skipped: what the snapshot MACs cost, side by
+  side with ``snap`` in the same job; the peer frames' MACs stay on, in the agents);
+- blocks cycle through the 5 modes, the order rotated each cycle; the first
   gaps of each block are dropped (they carry the previous block's capture and
   replication tail);
 - step time = gap between rank 0's consecutive ``step`` events (the capture
@@ -51,11 +53,12 @@ from common import (BENCH, Job, drop_dir, etcd_server, events, fig, goal, launch
 sys.path.insert(0, str(BENCH / "overhead_hook"))
 from resilient_bench_blocks import ENV, cycle_of, mode_of, parse  # noqa: E402
 
-MODES = ["off", "snap", "sdc", "snap+sdc"]
+MODES = ["off", "snap", "sdc", "snap+sdc", "snap+nomac"]
 GOALS = {"snap": (0.02, "snapshot every step + replication ≤ 2% (issue 5)"),
          "sdc": (0.01, "SDC checks < 1% (issue 7)")}
 LABELS = {"off": "everything off", "snap": "snapshot every step + replication (k=1)", "sdc": "SDC checks",
-          "snap+sdc": "snapshots + replication + SDC (everything on)"}
+          "snap+sdc": "snapshots + replication + SDC (everything on)",
+          "snap+nomac": "snapshot every step + replication, chunk MACs off"}
 DEMO_MODEL = {"model.dim": 128, "model.max_seq_len": 128, "train.seq_len": 128, "train.global_batch": 16}
 
 
@@ -245,7 +248,7 @@ def run(quick: bool) -> dict:
              "CPU ms per step, median over cycles, both nodes together (/proc user + system; workers = every "
              "process under an agent): " + "; ".join(cpu_notes) + ".",
              "Modes switched by a benchmark-only hook (bench/overhead_hook/sitecustomize.py) around "
-             "StateKeeper.after_step and Trainer.train_step; the production code is unchanged.",
+             "StateKeeper.after_step, Trainer.train_step and VersionAuth.chunk_mac (the snap+nomac blocks); the production code is unchanged.",
              "Loads before/after: " + "; ".join(loads) + ".",
              f"Command (RUN = a temp dir; per node, etcd on loopback; env {ENV}={spec} and "
              f"PYTHONPATH=bench/overhead_hook): `{cmd}`"]
@@ -258,5 +261,14 @@ def run(quick: bool) -> dict:
                          f"`python bench/push_cost.py --mb {mb}`, which also A/Bs another checkout)"
                          + (f"; the rank's own capture and write of it into its node store: {push['write_cpu_ms']} ms "
                             "CPU." if "write_cpu_ms" in push else "."))
+    if ratios.get("snap+nomac"):
+        mac = [a / b for a, b in zip(ratios["snap"], ratios["snap+nomac"])]
+        lo, hi = bootstrap(mac)
+        notes.insert(1, f"Chunk MACs on vs off, side by side in this job: snap / off "
+                        f"{statistics.median(ratios['snap']):.4f}x, snap+nomac / off "
+                        f"{statistics.median(ratios['snap+nomac']):.4f}x; per cycle snap / snap+nomac "
+                        f"{statistics.median(mac):.4f}x (95% CI {lo:.3f}–{hi:.3f}); CPU per step snap "
+                        f"{1e3 * statistics.median(total['snap']):.1f} ms vs snap+nomac "
+                        f"{1e3 * statistics.median(total['snap+nomac']):.1f} ms (all processes).")
     return row("Steady-state step overhead: snapshots + replication, SDC checks, vs off (interleaved blocks)",
                figures, out_ratios, goals, notes)

@@ -7,11 +7,13 @@ interleaved in the *same* worker processes, compared pairwise, cancel most of
 that. bench_overhead.py puts this folder first on PYTHONPATH and sets
 ``RESILIENT_BENCH_BLOCKS=WARMUP:BLOCK:MODE,MODE,...``; Python imports this
 ``sitecustomize`` at start-up in every process of the job. It does nothing
-unless that variable is set, and then only wraps two methods once
+unless that variable is set, and then only wraps three methods once
 ``resilient.gpt.train`` is imported (in the workers):
 
 - ``StateKeeper.after_step`` skips the capture (node store, hence replication)
   for steps whose mode has no ``snap``;
+- ``VersionAuth.chunk_mac`` skips the chunks' AES-GMAC for versions of steps whose mode
+  has ``nomac`` (``snap+nomac``: snapshots with the chunk MACs off, beside ``snap``);
 - ``Trainer.train_step`` detaches the SDC monitor (and disarms its
   reduce-scatter sums) for steps whose mode has no ``sdc``; when checks resume
   after a pause, the monitor is told the parameters moved (``note_restored``),
@@ -61,8 +63,21 @@ def _patch(train) -> None:
                 chk.arm(on and every > 0 and (step + 1) % every == 0)
         return train_step(self, step)
 
+    from resilient.snapshot import auth
+
+    chunk_mac = auth.VersionAuth.chunk_mac
+
+    def chunk_mac_blocks(self, step: int, attempt: str, raw, nonce=None) -> str:
+        # ``nomac`` blocks: the version's chunks carry a tag of the right form, not computed
+        # (the per-byte AES-GMAC pass skipped; nothing reads these versions back in the bench)
+        m = mode_of(step, spec)
+        if m is not None and "nomac" in m.split("+"):
+            return auth.CHUNK_MAC + "0" * (2 * (auth.NONCE + auth.TAG))
+        return chunk_mac(self, step, attempt, raw, nonce)
+
     keeper.StateKeeper.after_step = after_step_blocks
     train.Trainer.train_step = train_step_blocks
+    auth.VersionAuth.chunk_mac = chunk_mac_blocks
 
 
 class _Finder:
