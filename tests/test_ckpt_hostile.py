@@ -167,3 +167,32 @@ def test_a_dcp_tensor_claiming_a_tebibyte_is_a_typed_error(tmp_path, capsys):
     assert ckpt(["-q", "import", folder, str(tmp_path / "out"), "--from", "torch-dcp"]) == 2
     err = capsys.readouterr().err
     assert "ConvertError" in err and "GiB" in err and "Traceback" not in err
+
+
+def test_a_tensor_claimed_beyond_its_stored_bytes_or_this_hosts_memory_is_a_typed_error(tmp_path):
+    """``ckpt convert --format torch`` holds whole tensors: a manifest that claims 8 TiB of stored
+    bytes in a 512-byte object, or 32 GiB in compressed chunks (each within the inflate cap) of a
+    tiny frame, ends in a typed error before anything of that size is allocated or read."""
+    root = tmp_path / "ckpt"
+    with Snapshotter(root.as_uri(), secret=None, compress="none") as snap:
+        snap.save(1, {"model": {"w": torch.randn(16, 8)}}, force=True)
+    man = root / "step-000000000001" / "manifest.json"
+    pristine = json.loads(man.read_text())
+    for claim in ("stored", "inflated"):
+        doc = json.loads(json.dumps(pristine))
+        t = doc["tensors"]["model/w"]
+        c = t["chunks"][0]
+        if claim == "stored":   # uncompressed: 2^38 rows of 8 float32 in the same 512-byte object
+            t["shape"], c["sizes"] = [1 << 38, 8], [1 << 38, 8]
+            c["raw_length"] = c["length"] = (1 << 38) * 32
+        else:                   # 32 chunks of 2^25 rows (1 GiB raw each), all the object's first bytes
+            rows = 1 << 25
+            t["shape"] = [32 * rows, 8]
+            t["chunks"] = [{**c, "offsets": [i * rows, 0], "sizes": [rows, 8], "raw_length": rows * 32,
+                            "length": 16, "compression": "zstd"} for i in range(32)]
+        man.write_text(json.dumps(doc))
+        rc, peak, text = _peak_rss(["convert", str(root), str(tmp_path / f"{claim}.pt"), "--format", "torch"])
+        assert rc == 2 and "Traceback" not in text, (claim, text[-2000:])
+        assert ("object is truncated" if claim == "stored" else "more than this host can allocate") in text, text
+        assert peak < GiB, f"{claim}: peaked at {peak / 2**20:.0f} MiB"
+        assert not (tmp_path / f"{claim}.pt").exists()

@@ -182,9 +182,25 @@ class SnapshotReader:
         t = manifest.tensors.get(name)
         if t is None:
             raise SnapshotMismatch(f"{self.url} step {manifest.step}: no tensor {name!r}", self.url)
+        whole = box is None
         box = box or Box((0,) * len(t.shape), t.shape)
         if out is None:
-            out = torch.empty(box.sizes, dtype=dtype_from_name(t.dtype, name))
+            # A hostile or garbled manifest may claim any shape: before allocating for it, a reader
+            # that can (the tools' CheckedReader) checks every stored byte its chunks claim exists;
+            # what is still more than this host holds is a typed error, not an allocator's.
+            check = getattr(self, "before_read", None)
+            if whole and check is not None:
+                for c in t.chunks:
+                    check(manifest, t, c)
+            dtype = dtype_from_name(t.dtype, name)
+            try:
+                out = torch.empty(box.sizes, dtype=dtype)
+            except (RuntimeError, MemoryError):
+                raise SnapshotError(
+                    f"{self.url} step {manifest.step}: {name!r} claims {list(box.sizes)} {t.dtype} "
+                    f"({box.numel * dtype.itemsize} bytes), more than this host can allocate; if the checkpoint "
+                    "is sound, run this on a host with more memory (or convert to safetensors/DCP, which "
+                    "stream)", self.url) from None
         fill_boxes(self, manifest, t, [(box, out)])
         return out
 
