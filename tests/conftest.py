@@ -139,3 +139,16 @@ def peer_server(tmp_path):
     yield store, srv
     srv.close()
     store.remove()
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """A run dir of the job's user (0700) with its job.secret, and the secret as the job has it
+    (none in the environment). A test file's own ``job`` fixture takes precedence."""
+    from resilient.secret import SECRET_ENV, SECRET_FILE_ENV, provide_job_secret
+
+    for key in (SECRET_ENV, SECRET_FILE_ENV):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    run = tmp_path / "run"
+    return run, provide_job_secret(run)

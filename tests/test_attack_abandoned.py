@@ -26,7 +26,7 @@ from resilient.agent.store import kept_versions
 from resilient.etcd.testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.ledger import run_copies
-from resilient.secret import COMMIT, REGISTRY, SECRET_ENV, SECRET_FILE_ENV, provide_job_secret
+from resilient.secret import COMMIT, REGISTRY
 from resilient.snapshot import Snapshotter
 from resilient.snapshot.auth import SnapshotAbandoned, admit
 from resilient.snapshot.commits import read_run_epoch
@@ -42,15 +42,6 @@ pytestmark = pytest.mark.timeout(120)
 def _state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"model": {"w": torch.randn(32, 16, generator=g)}, "step": seed}
-
-
-@pytest.fixture
-def job(tmp_path, monkeypatch):
-    for key in (SECRET_ENV, SECRET_FILE_ENV):
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    run = tmp_path / "run"
-    return run, provide_job_secret(run)
 
 
 def _abandoned(events_path) -> list[dict]:

@@ -23,7 +23,7 @@ from resilient.agent.quarantine import main as quarantine_cli
 from resilient.etcd.testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.ledger import run_copies
-from resilient.secret import COMMIT, REGISTRY, SECRET_ENV, SECRET_FILE_ENV, JobSecret, provide_job_secret
+from resilient.secret import COMMIT, REGISTRY
 from resilient.snapshot.epoch import EpochFence, abandon_after, epoch_key
 from resilient.snapshot.memcommit import commit_key
 from resilient.snapshot.tiers import StoreInfo, memory_plan
@@ -35,17 +35,6 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 def client(etcd):
     with etcd.client(retry_timeout=timedelta(seconds=10)) as c:
         yield c
-
-
-@pytest.fixture
-def job(tmp_path, monkeypatch):
-    """A run dir of the job's user (0700) with its job.secret; the secret as the job has it."""
-    for key in (SECRET_ENV, SECRET_FILE_ENV):
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    run = tmp_path / "run"
-    secret = provide_job_secret(run)
-    return run, secret
 
 
 class EtcdWriter:
