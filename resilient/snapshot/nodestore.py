@@ -155,7 +155,12 @@ class NodeStore:
                     raise
                 private_root(self.base)
         (tmp / OWNER).write_text(owner_record(node=self.node))
-        os.rename(tmp, self.path)
+        try:
+            os.rename(tmp, self.path)
+        except OSError:   # another agent of this node made its tree first (ENOTEMPTY)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise StorageError(f"{self.path}: another agent created node {self.node!r} of run {self.run_id!r} at "
+                               "the same moment; give this node another --node-id", str(self.path)) from None
         return reclaimed
 
     def _adopt(self) -> None:
