@@ -43,7 +43,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from resilient.control.plane import LEAVE_WAIT, wait_for_agents_to_leave  # noqa: F401  (re-exported)
 from resilient.errors import ConfigError, LaunchError
 from resilient.launch_args import LaunchUsageError, add_arguments, parse_args  # noqa: F401  (the command line)
 from resilient.rundir import RunDirUnsafe, local_path, private_dir, write_private
@@ -335,13 +334,22 @@ def refuse_other_jobs(registry, digest: str, ttl: timedelta) -> None:
         "others, or give it another --run-id.")
 
 
+# How long the owner of an embedded etcd keeps it up for the other agents of the run once
+# its own agent is done: they leave within seconds of each other after a job ends (torch's
+# exit barrier), and a node that died is out once its lease lapses (launch.node_lease_ttl).
+LEAVE_WAIT = timedelta(seconds=15)
+
+
 @contextlib.contextmanager
 def etcd_endpoint(args: argparse.Namespace, run_dir: Path, run_id: str | None = None,
                   node: str | None = None, secret=None) -> Iterator[str]:
     """The etcd to rendezvous through: given (``--rdzv-endpoint``, the operator's to secure),
     else the run dir's embedded etcd, owned by one of its agents (:mod:`resilient.control.plane`:
     claimed atomically, client TLS and a login derived from the job ``secret``, default the one
-    in the environment); ``--standalone``: always our own, shared with nobody."""
+    in the environment); ``--standalone``: always our own, shared with nobody. The owner keeps
+    its etcd up at the end until the other agents of ``run_id`` have left (at most
+    :data:`LEAVE_WAIT`), so that their last calls (the lease revoke, the rendezvous close)
+    succeed at once instead of retrying against a dead etcd."""
     if args.rdzv_endpoint:
         yield args.rdzv_endpoint
         return
@@ -349,8 +357,33 @@ def etcd_endpoint(args: argparse.Namespace, run_dir: Path, run_id: str | None = 
     from resilient.secret import require_secret
 
     secret = secret if secret is not None else require_secret(what="the embedded etcd")
-    with embedded_etcd(run_dir, secret, run_id=run_id, node=node, standalone=args.standalone) as endpoint:
+    def let_the_others_leave(etcd) -> None:
+        if run_id is not None:
+            wait_for_agents_to_leave(etcd, run_id, node, LEAVE_WAIT)
+
+    with embedded_etcd(run_dir, secret, standalone=args.standalone, before_stop=let_the_others_leave) as endpoint:
         yield endpoint
+
+
+def wait_for_agents_to_leave(etcd, run_id: str, node: str | None, bound: timedelta) -> list[str]:
+    """Wait until no agent of ``run_id`` but ``node`` is registered (each revokes its lease
+    as it leaves; a dead one's lapses), at most ``bound``; the ones still there."""
+    from resilient.agent.membership import registry_prefix
+    from resilient.etcd import EtcdError
+
+    prefix = registry_prefix(run_id)
+    deadline = time.monotonic() + bound.total_seconds()
+    others: list[str] = []
+    try:
+        with etcd.client(retry_timeout=timedelta(seconds=1)) as c:
+            while True:
+                others = [kv.key.decode()[len(prefix):] for kv in c.get_prefix(prefix)]
+                others = [n for n in others if n != node]
+                if not others or time.monotonic() >= deadline:
+                    return others
+                time.sleep(0.2)
+    except EtcdError:  # our etcd is gone: nobody can use it any more
+        return others
 
 
 def default_run_id(run_dir: Path) -> str:

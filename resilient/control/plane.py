@@ -11,9 +11,9 @@ safe, every agent ends on the same endpoint whatever its timing). The owner's et
   anonymous lease grant or keep-alive) is read. The files are derived on each node from
   the secret into ``RUN_DIR/control/tls-<fingerprint>`` (0700, files 0600): nothing to distribute.
 - watched: restarted on the same ports and data when it dies, so the clients ride through.
-- kept up, at the end, until the other agents of the run have left (at most
-  :data:`LEAVE_WAIT`), so that their last calls (the lease revoke, the rendezvous close)
-  succeed at once instead of retrying against a dead etcd.
+- kept up, at the end, for what the caller's ``before_stop`` does with it (``resilient
+  launch``: wait for the other agents of the run to leave, so that their last calls
+  succeed at once instead of retrying against a dead etcd).
 
 The embedded etcd lives in its owner's process tree: losing that agent ends the job for
 everyone (the README says so; an external etcd cluster through ``--rdzv-endpoint`` has no
@@ -24,21 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from resilient.control.api import ClaimSettings
 from resilient.control.claim import RunDirClaim, control_dir
 from resilient.errors import LaunchError
 
-__all__ = ["embedded_etcd", "wait_for_agents_to_leave", "LEAVE_WAIT", "JOIN_CHECK"]
-
-# How long the owner of an embedded etcd keeps it up for the other agents of the run once
-# its own agent is done: they leave within seconds of each other after a job ends (torch's
-# exit barrier), and a node that died is out once its lease lapses (launch.node_lease_ttl).
-LEAVE_WAIT = timedelta(seconds=15)
+__all__ = ["embedded_etcd", "client_kwargs", "JOIN_CHECK"]
 # How long a joining agent waits for the owner's etcd to answer its first request: the
 # owner published only once its etcd answered, so this covers a restart by its watch.
 JOIN_CHECK = timedelta(seconds=30)
@@ -55,11 +49,12 @@ def client_kwargs(conf: dict[str, str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def embedded_etcd(run_dir: str | Path, secret, *, run_id: str | None = None, node: str | None = None,
-                  standalone: bool = False, settings: ClaimSettings = ClaimSettings()) -> Iterator[str]:
+def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
+                  before_stop: Callable[[object], None] | None = None,
+                  settings: ClaimSettings = ClaimSettings()) -> Iterator[str]:
     """The endpoint of ``run_dir``'s embedded etcd: this agent's own if its claim wins (then it
-    runs for the life of the ``with``), else the owner's. ``standalone``: always our own,
-    shared with nobody (no claim)."""
+    runs for the life of the ``with``, and ``before_stop(etcd)`` runs at its end, the etcd still
+    up), else the owner's. ``standalone``: always our own, shared with nobody (no claim)."""
     from resilient.etcd import EtcdAuthError, EtcdClient, EtcdError
     from resilient.etcd.server import embedded_etcd_conf
 
@@ -99,8 +94,8 @@ def embedded_etcd(run_dir: str | Path, secret, *, run_id: str | None = None, nod
             try:
                 yield etcd.endpoint
             finally:
-                if run_id is not None:
-                    wait_for_agents_to_leave(etcd, run_id, node, LEAVE_WAIT)
+                if before_stop is not None:
+                    before_stop(etcd)
     finally:
         claim.release()
 
@@ -118,24 +113,3 @@ def _own_etcd(secret, tls_dir: Path):
 
         etcd.watch(on_restart=restarted)
         yield etcd
-
-
-def wait_for_agents_to_leave(etcd, run_id: str, node: str | None, bound: timedelta) -> list[str]:
-    """Wait until no agent of ``run_id`` but ``node`` is registered (each revokes its lease
-    as it leaves; a dead one's lapses), at most ``bound``; the ones still there."""
-    from resilient.agent.membership import registry_prefix
-    from resilient.etcd import EtcdError
-
-    prefix = registry_prefix(run_id)
-    deadline = time.monotonic() + bound.total_seconds()
-    others: list[str] = []
-    try:
-        with etcd.client(retry_timeout=timedelta(seconds=1)) as c:
-            while True:
-                others = [kv.key.decode()[len(prefix):] for kv in c.get_prefix(prefix)]
-                others = [n for n in others if n != node]
-                if not others or time.monotonic() >= deadline:
-                    return others
-                time.sleep(0.2)
-    except EtcdError:  # our etcd is gone: nobody can use it any more
-        return others
