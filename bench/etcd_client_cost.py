@@ -79,7 +79,7 @@ def measure(mode: str) -> None:
         run("EtcdClient get", lambda i: c.get("/x/h/000000000001/a"))
 
         def reconnecting(i):
-            c._gw[0].close()   # the next request opens a new connection (TLS: a new handshake)
+            c._gw[0]._forget()   # the next request opens a new connection (TLS: a new handshake)
             c.get("/x/h/000000000001/a")
 
         run("EtcdClient get reconnecting", reconnecting)
