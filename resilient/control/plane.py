@@ -90,7 +90,9 @@ def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
         with _own_etcd(secret, tls_dir) as etcd:
             claim.publish(etcd.endpoint)
             _say(f"embedded etcd at {etcd.endpoint}, with client TLS and authentication from the job secret (other "
-                 "agents on this machine: the same --run-dir, started in any order)")
+                 "agents on this machine: the same --run-dir, started in any order). It lives in this agent: "
+                 "losing this node ends the job for every node (an etcd cluster through --rdzv-endpoint has no "
+                 "such node)")
             try:
                 yield etcd.endpoint
             finally:
