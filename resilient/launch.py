@@ -467,9 +467,10 @@ def _raise_on_signal(signum, frame):
     raise SignalException(f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
-def launch(args: argparse.Namespace, gpt: ProgramFactory | None = None) -> int:
-    """Run this node until the job ends; ``args`` from :func:`parse_args`."""
-    run = prepare_run(args, gpt)
+def launch(args: argparse.Namespace, gpt: ProgramFactory | None = None, run: Run | None = None) -> int:
+    """Run this node until the job ends; ``args`` from :func:`parse_args`, ``run`` from
+    :func:`prepare_run` when the caller checked the config already."""
+    run = run if run is not None else prepare_run(args, gpt)
     from resilient.preflight import check_before_launch  # a FAIL raises: etcd, store, workers not started
 
     check_before_launch(args, run)

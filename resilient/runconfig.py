@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.configbase import knob, load_section, read_toml, section_to_dict
+from resilient.configbase import check_bounds, knob, load_section, read_toml, section_to_dict
 from resilient.errors import ConfigError
 from resilient.failslow.api import FailSlowConfig
 from resilient.sdc.api import SdcConfig
@@ -67,6 +67,13 @@ class LaunchConfig:
     metrics_port: int | str = knob(0, "Prometheus metrics of this agent (resilient.observe.metrics): the HTTP port to serve /metrics on, 0 = a free one (its address is the run's `metrics` event), -1 or \"off\" = no metrics")
 
     def __post_init__(self) -> None:
+        # A wait or period of 0 (or below) would spin or declare everything lost at once; the
+        # counts and the grace may be 0 (0 = automatic / none), spares -1 (= nproc_per_node).
+        check_bounds(self, "launch",
+                     at_least={"nproc_per_node": 0, "max_restarts": 0, "spares": -1, "last_call_timeout": 0,
+                               "preemption_grace": 0, "etcd_compact_interval": 0},
+                     above={"monitor_interval": 0, "heartbeat_timeout": 0, "startup_timeout": 0,
+                            "node_lease_ttl": 0, "keep_alive_interval": 0, "join_timeout": 0, "etcd_outage": 0})
         port = self.metrics_port
         if isinstance(port, str) and port.strip().lower() == "off":
             port = -1
