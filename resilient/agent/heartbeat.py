@@ -21,6 +21,9 @@ from pathlib import Path
 
 HEARTBEAT_ENV = "RESILIENT_HEARTBEAT_FILE"
 QUARANTINE_SUFFIX = ".quarantine"  # beside a worker's heartbeat file: HeartbeatWriter.mark_quarantine
+# In the heartbeat directory: why the agent itself stops the workers (an etcd outage, its control
+# plane gone), written before their SIGTERM: a stop the agent decides is not a preemption.
+STOP_REASON = "stop-reason"
 
 
 class HeartbeatWriter:
@@ -48,6 +51,16 @@ class HeartbeatWriter:
         never sees the code."""
         if self.path:
             Path(self.path + QUARANTINE_SUFFIX).touch()
+
+    def stop_reason(self) -> str | None:
+        """Why the agent stops this worker, when it decided so (HeartbeatMonitor.announce_stop);
+        None for a SIGTERM from outside (a preemption) or outside an agent."""
+        if not self.path:
+            return None
+        try:
+            return (Path(self.path).parent / STOP_REASON).read_text()[:500] or None
+        except OSError:
+            return None
 
     @contextlib.contextmanager
     def while_waiting(self, every: timedelta = timedelta(seconds=1)):
@@ -87,6 +100,11 @@ class HeartbeatMonitor:
         p.unlink(missing_ok=True)
         Path(self.path(local_rank) + QUARANTINE_SUFFIX).unlink(missing_ok=True)
         self._started[local_rank] = time.time()
+
+    def announce_stop(self, reason: str) -> None:
+        """Tell the workers, before their SIGTERM, that this stop is the agent's own (``reason``)."""
+        with contextlib.suppress(OSError):
+            (self.dir / STOP_REASON).write_text(reason)
 
     def quarantine_marked(self, local_rank: int) -> bool:
         """Whether the worker said its device is bad (HeartbeatWriter.mark_quarantine)."""

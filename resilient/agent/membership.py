@@ -138,6 +138,7 @@ class NodeRegistry:
         self._stores: dict[str, str] = {}             # rdzv name -> store address, from the last full read
         self._everyone = RegistryReader(client, run_id, self.secret, events)  # the full reads, incremental
         self._ids: dict[str, str] = {}                # rdzv name -> node id, of this node's round
+        self.seen: dict[str, dict] = {}               # node id -> its last authentic entry (gone_for_sure)
 
     def update(self, **info) -> None:
         """Add fields to this node's description (e.g. its store address) and re-publish it."""
@@ -197,6 +198,7 @@ class NodeRegistry:
             log.debug("node registry unreachable: %s", e)
             return None
         self._stores = {d.get("rdzv"): d.get("store") for n, d in nodes.items() if n != self.node_id}
+        self.seen.update(nodes)
         return self._ours_back(nodes)
 
     def _ours_back(self, nodes: dict[str, dict]) -> dict[str, dict]:
@@ -269,6 +271,7 @@ class NodeRegistry:
                 nodes[key[len(self.prefix):]] = self.secret.open_record(PURPOSE, key, kv.value)
             except Unauthentic as e:
                 report_unauthentic(self.events, "node registry entry", key, e)
+        self.seen.update(nodes)
         return self._ours_back(nodes)
 
     def proven_dead(self, names: list[str], timeout: timedelta = timedelta(seconds=0.5)) -> set[str]:
@@ -294,6 +297,23 @@ class NodeRegistry:
         with ThreadPoolExecutor(min(len(targets), 16), thread_name_prefix="probe") as pool:
             verdicts = list(pool.map(lambda n: refuses_connections(stores[n], timeout), targets))
         return {n for n, dead in zip(targets, verdicts) if dead}
+
+    def gone_for_sure(self, node_ids: set[str], timeout: timedelta = timedelta(seconds=0.5)) -> set[str]:
+        """The nodes among ``node_ids`` whose agent is certainly gone, from what their last entry
+        said (no etcd needed: it may be the thing that is gone): its pid is no process of this
+        host, or its snapshot server refuses connections. A node never seen, or one that only
+        does not answer (slow, partitioned), is not."""
+        dead = set()
+        for node in sorted(node_ids - {self.node_id}):
+            doc = self.seen.get(node)
+            if doc is None:
+                continue
+            pid = doc.get("pid")
+            if doc.get("host") == socket.gethostname() and isinstance(pid, int) and not psutil.pid_exists(pid):
+                dead.add(node)
+            elif doc.get("store") and refuses_connections(doc["store"], timeout):
+                dead.add(node)
+        return dead
 
     def know_round(self, rdzv_names: list[str], node_ids: list[str]) -> None:
         """This node's round: its members' rendezvous names and node ids, both by rank."""
