@@ -554,7 +554,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
                           monitor_interval=lc.monitor_interval)
         agent, succeeded = None, False
         try:
-            registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
+            registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl),
+                                    confirm=loss_confirm_bound(lc.node_lease_ttl))
             quarantine = Quarantine(client, run_id, copies=ledger)
             quarantine.refuse_if_quarantined(node, clear_hint(args, run_dir, run_id))
             registry.claim(job=program.job_digest)
@@ -587,6 +588,13 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
         if result.is_failed():
             raise LaunchError(f"training failed: {agent.give_up_reason(result)}; see {run_dir / 'events.jsonl'}")
     return 0
+
+
+def loss_confirm_bound(lease_ttl: float) -> timedelta:
+    """How long a node whose lease lapsed may stay missing, without a second signal that it is
+    gone (its pid, its port), before it is declared lost: a loaded host stalls an agent for
+    17-60 s (issue 38) and a real loss is confirmed at once by that signal on most machines."""
+    return timedelta(seconds=max(60.0, 10 * lease_ttl))
 
 
 def rendezvous_failed_message(error: BaseException, registry, node: str, min_nodes: int, join_timeout: float,

@@ -123,8 +123,13 @@ class NodeRegistry:
     """``secret``: the job secret (default: from the environment, :func:`resilient.secret.require_secret`)."""
 
     def __init__(self, client: EtcdClient, run_id: str, node_id: str, domain: str, ttl: timedelta,
-                 secret: JobSecret | bytes | None = None, events: Any = None):
+                 secret: JobSecret | bytes | None = None, events: Any = None, confirm: timedelta | None = None):
+        """``confirm``: a node whose key lapsed is lost only with a second signal (its agent's pid
+        gone from this host, its port refusing: :meth:`gone_for_sure`) or once missing this long;
+        None: two misses in a row are enough."""
         self.client = client
+        self.confirm = confirm
+        self._missing_since: dict[str, float] = {}
         self.run_id = run_id
         self.secret = JobSecret.of(secret) if secret is not None else require_secret(what="the node registry")
         self.events = events
@@ -240,14 +245,22 @@ class NodeRegistry:
         if nodes is None:
             return set()
         gone = set()
+        now = time.monotonic()
         for m in members:
             if m in nodes:
                 self._missing.pop(m, None)
+                self._missing_since.pop(m, None)
             else:
                 self._missing[m] = self._missing.get(m, 0) + 1
+                self._missing_since.setdefault(m, now)
                 if self._missing[m] >= 2:
                     gone.add(m)
-        return gone
+        if self.confirm is None or not gone:
+            return gone
+        # A lapsed lease alone is a stalled agent as often as a dead one (a loaded host, a long
+        # GC pause): lost only with a second signal, or once missing past the bound.
+        late = {m for m in gone if now - self._missing_since[m] >= self.confirm.total_seconds()}
+        return late | self.gone_for_sure(gone - late)
 
     full_every = 10  # lost(neighbours=k): every this many checks, all members
 
