@@ -30,11 +30,14 @@ def _cmd_launch(argv: list[str]) -> int:
     from resilient.gpt.program import GPT_PRELOAD, gpt_program  # light: imports no torch
 
     args = launch.parse_args(argv)
+    # Every config error (a typo, a negative interval) is answered here, before anything imports
+    # torch, even in the zygote: a wrong knob costs the user no torch import (minutes on a loaded host).
+    run = launch.prepare_run(args, gpt_program)
     if warm.wants_zygote(argv):
         # its torch import overlaps ours (see warm.start_early)
         warm.start_early(GPT_PRELOAD if args.form == "gpt" else launch.script_preload())
     try:
-        return launch.launch(args, gpt=gpt_program)
+        return launch.launch(args, gpt=gpt_program, run=run)
     finally:
         early = warm.take_early()  # not adopted: the launch failed before its agent started
         if early is not None:

@@ -107,6 +107,29 @@ def load_section(cls: type, table: Mapping[str, Any], where: str, source: str) -
     return cls(**kwargs)
 
 
+_BOUNDS = {"at_least": ("≥", lambda v, b: v >= b), "above": (">", lambda v, b: v > b),
+           "at_most": ("≤", lambda v, b: v <= b), "below": ("<", lambda v, b: v < b)}
+
+
+def check_bounds(obj: Any, where: str, **bounds: Mapping[str, float]) -> None:
+    """Refuse a section's numbers outside their range, with the knob's documentation (what it
+    means, so what to give): ``check_bounds(cfg, "snapshot", at_least={"every": 0}, above=...)``.
+
+    Why each section says its ranges: a negative interval or count was accepted and silently
+    turned a tier off (``--set snapshot.every=-3``); the error must come while the config is
+    read, before anything imports torch. Non-numbers ("auto") are the section's own to check;
+    the comparisons are NaN-safe (``not v >= b``)."""
+    docs = {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(obj)}
+    for kind, table in bounds.items():
+        sign, ok = _BOUNDS[kind]
+        for key, bound in table.items():
+            value = getattr(obj, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not ok(value, bound):
+                raise ConfigError(f"'{where}.{key}' must be {sign} {bound}, got {value!r} ({docs.get(key, '')})")
+
+
 def section_to_dict(obj: Any) -> dict:
     """A section (and nested sections) as plain TOML-able data."""
     return dataclasses.asdict(obj)

@@ -43,7 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from resilient.errors import ConfigError, LaunchError
+from resilient.errors import ConfigError, LaunchError, ResilientError
 from resilient.launch_args import LaunchUsageError, add_arguments, parse_args  # noqa: F401  (the command line)
 from resilient.rundir import RunDirUnsafe, local_path, private_dir, write_private
 
@@ -427,9 +427,10 @@ def _raise_on_signal(signum, frame):
     raise SignalException(f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
-def launch(args: argparse.Namespace, gpt: ProgramFactory | None = None) -> int:
-    """Run this node until the job ends; ``args`` from :func:`parse_args`."""
-    run = prepare_run(args, gpt)
+def launch(args: argparse.Namespace, gpt: ProgramFactory | None = None, run: Run | None = None) -> int:
+    """Run this node until the job ends; ``args`` from :func:`parse_args`, ``run`` from
+    :func:`prepare_run` when the caller checked the config already."""
+    run = run if run is not None else prepare_run(args, gpt)
     from resilient.preflight import check_before_launch  # a FAIL raises: etcd, store, workers not started
 
     check_before_launch(args, run)
@@ -450,7 +451,7 @@ def launch(args: argparse.Namespace, gpt: ProgramFactory | None = None) -> int:
 
 def _run_node(args: argparse.Namespace, run: Run) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters, rendezvous_handler_registry
 
     from resilient.agent.agent import ResilientAgent
     from resilient.agent.api import AgentSettings
@@ -513,7 +514,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
                           monitor_interval=lc.monitor_interval)
         agent, succeeded = None, False
         try:
-            registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl))
+            registry = NodeRegistry(client, run_id, node, args.domain, timedelta(seconds=lc.node_lease_ttl),
+                                    confirm=loss_confirm_bound(lc.node_lease_ttl))
             quarantine = Quarantine(client, run_id, copies=ledger)
             quarantine.refuse_if_quarantined(node, clear_hint(args, run_dir, run_id))
             registry.claim(job=program.job_digest)
@@ -525,7 +527,13 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
                 raise
             events.emit("agent_start", run_id=run_id, endpoint=endpoint, nnodes=[min_nodes, max_nodes], nproc=nproc,
                         domain=args.domain or node)
-            result = agent.run()
+            try:
+                result = agent.run()
+            except RendezvousError as e:
+                if isinstance(e, ResilientError):   # ours: typed, and says what to do
+                    raise
+                raise LaunchError(rendezvous_failed_message(e, registry, node, min_nodes, lc.join_timeout,
+                                                            run_dir)) from e
             succeeded = result is not None and not agent.quarantined and not result.is_failed()
             if agent.quarantined:
                 others = nodes_left(registry, quarantine)
@@ -542,6 +550,26 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     return 0
 
 
+def loss_confirm_bound(lease_ttl: float) -> timedelta:
+    """How long a node whose lease lapsed may stay missing, without a second signal that it is
+    gone (its pid, its port), before it is declared lost: a loaded host stalls an agent for
+    17-60 s (issue 38) and a real loss is confirmed at once by that signal on most machines."""
+    return timedelta(seconds=max(60.0, 10 * lease_ttl))
+
+
+def rendezvous_failed_message(error: BaseException, registry, node: str, min_nodes: int, join_timeout: float,
+                              run_dir: Path) -> str:
+    """torch's rendezvous error (a round that never completed: ``RendezvousTimeoutError``, a
+    closed one) as what is missing and what to do: the nodes still there, the ones the job needs."""
+    others = nodes_left(registry, None)
+    there = "etcd cannot say which nodes are there" if others is None else (
+        f"nodes registered now: {', '.join([node, *others])}")
+    return (f"the rendezvous did not complete ({type(error).__name__}: {error}); the job needs at least {min_nodes} "
+            f"node(s) within launch.join_timeout ({join_timeout:.0f} s), and {there}. Start the missing nodes (a node "
+            f"that stopped says why in its output and in {run_dir / 'events.jsonl'}: an `agent_stop` event), "
+            "then relaunch this one")
+
+
 def clear_hint(args: argparse.Namespace, run_dir: Path, run_id: str) -> str:
     """The options of ``resilient quarantine clear NODE`` that reach this run's records."""
     hint = f"--run-dir {shlex.quote(str(run_dir))}"
@@ -555,7 +583,7 @@ def clear_hint(args: argparse.Namespace, run_dir: Path, run_id: str) -> str:
 def nodes_left(registry, quarantine) -> list[str] | None:
     """The live nodes of the run but this one and the quarantined (None: etcd cannot say)."""
     try:
-        alive, out = registry.alive(), quarantine.all()
+        alive, out = registry.alive(), (quarantine.all() if quarantine is not None else set())
     except Exception:   # etcd gone: unknown, not none
         return None
     if alive is None:

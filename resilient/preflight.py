@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from resilient.errors import LaunchError
 from resilient.etcd.probe import EtcdAnswer, parse_version, probe_endpoints, version_issue
+from resilient.snapshot.api import VERSION_PREFIX
 
 __all__ = ["Status", "CheckResult", "Report", "NodePlan", "PreflightError", "run_checks",
            "check_before_launch", "plan_for", "node_store_bytes"]
@@ -376,6 +377,29 @@ def _check_clock(plan: NodePlan, answer: EtcdAnswer) -> CheckResult:
 RUN_DIR_MARGIN = 256 << 20  # events, logs, config files of a long run
 
 
+def rotating_bytes(root: Path, keep_every: int) -> int:
+    """Bytes of the durable versions under ``root`` (a ``file://`` tier) that retention will
+    delete as new ones land: all but the steps ``snapshot.keep_every`` keeps for good."""
+    total = 0
+    try:
+        entries = list(os.scandir(root))
+    except OSError:  # no tier yet (a first launch), or unreadable: nothing to count
+        return 0
+    for entry in entries:
+        digits = entry.name.removeprefix(VERSION_PREFIX)
+        if digits == entry.name or not (digits.isascii() and digits.isdigit()) or not entry.is_dir():
+            continue
+        if keep_every > 0 and int(digits) % keep_every == 0:
+            continue
+        for top, _, files in os.walk(entry.path):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(top, name)).st_size
+                except OSError:
+                    pass
+    return total
+
+
 def check_disk(plan: NodePlan) -> list[CheckResult]:
     """The run dir's filesystem, and the durable tier's when it is a local path."""
     snap = getattr(plan.runtime, "snapshot", None)
@@ -393,8 +417,15 @@ def check_disk(plan: NodePlan) -> list[CheckResult]:
         parts = urlsplit(url)
         if parts.scheme in ("", "file"):
             versions = snap.keep_last + 1  # retention deletes the oldest after the newest landed
-            add(Path(parts.path), int(plan.params * BYTES_PER_PARAM * versions),
-                f"durable tier {parts.path} ({versions} versions)")
+            version = int(plan.params * BYTES_PER_PARAM)
+            # A relaunch into the run's own durable tier: the versions there already take their
+            # space (free does not count it), and rotation replaces them; only what the tier will
+            # hold beyond them is needed, and at least one new version's worth.
+            rotating = rotating_bytes(Path(parts.path), snap.keep_every)
+            need = max(version, version * versions - rotating)
+            why = f"durable tier {parts.path} ({versions} versions"
+            add(Path(parts.path), need, why + (f", less {_mib(rotating)} of versions there that rotation frees)"
+                                               if rotating else ")"))
     results = []
     for path, (need, whys) in needs.items():
         free = _free_bytes(path)

@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.configbase import knob, load_section, read_toml, section_to_dict
+from resilient.configbase import check_bounds, knob, load_section, read_toml, section_to_dict
 from resilient.errors import ConfigError
 from resilient.failslow.api import FailSlowConfig
 from resilient.sdc.api import SdcConfig
@@ -44,9 +44,9 @@ class LaunchConfig:
     max_restarts: int = knob(100, "worker-group failures tolerated before the job fails (a lost node does not count)")
     spares: int = knob(-1, "warm worker processes (torch imported, waiting) kept ready to replace failed ones; -1 = nproc_per_node, 0 = cold restarts")
     monitor_interval: float = knob(0.1, "seconds between checks of the workers' exit codes and heartbeats")
-    heartbeat_timeout: float = knob(30.0, "a worker silent this long after its first step is hung (SIGSTOP, deadlock) and is killed")
+    heartbeat_timeout: float = knob(30.0, "a worker silent this long after its first step, or 4x its longest recent gap between steps when that is longer (checked SDC steps, evals, a loaded host), is hung (SIGSTOP, deadlock) and is killed")
     startup_timeout: float = knob(300.0, "a worker gets this long from start to its first heartbeat (imports, model build, restore)")
-    node_lease_ttl: float = knob(3.0, "a node whose etcd liveness lease is not refreshed for this long is lost")
+    node_lease_ttl: float = knob(3.0, "a node whose etcd liveness lease is not refreshed for this long is suspect; it is lost once a second signal confirms it (its agent's pid gone from this host, or its port refusing) or after max(60 s, 10 x this) without one")
     last_call_timeout: float = knob(1.0, "with MIN:MAX nodes, how long a round waits for more nodes once MIN are in (torch's default is 30)")
     keep_alive_interval: float = knob(1.0, "rendezvous keep-alive period; a node missing 3 of them is dropped from the round")
     join_timeout: float = knob(600.0, "how long a node waits for a rendezvous round to complete")
@@ -67,6 +67,13 @@ class LaunchConfig:
     metrics_port: int | str = knob(0, "Prometheus metrics of this agent (resilient.observe.metrics): the HTTP port to serve /metrics on, 0 = a free one (its address is the run's `metrics` event), -1 or \"off\" = no metrics")
 
     def __post_init__(self) -> None:
+        # A wait or period of 0 (or below) would spin or declare everything lost at once; the
+        # counts and the grace may be 0 (0 = automatic / none), spares -1 (= nproc_per_node).
+        check_bounds(self, "launch",
+                     at_least={"nproc_per_node": 0, "max_restarts": 0, "spares": -1, "last_call_timeout": 0,
+                               "preemption_grace": 0, "etcd_compact_interval": 0},
+                     above={"monitor_interval": 0, "heartbeat_timeout": 0, "startup_timeout": 0,
+                            "node_lease_ttl": 0, "keep_alive_interval": 0, "join_timeout": 0, "etcd_outage": 0})
         port = self.metrics_port
         if isinstance(port, str) and port.strip().lower() == "off":
             port = -1

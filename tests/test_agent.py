@@ -185,3 +185,30 @@ def test_a_node_whose_worker_leaves_for_quarantine_admits_nobody_until_it_has(tm
     assert agent.quarantined and agent._remaining_restarts == 0
     assert emitted == [("quarantine", {"node": "b", "reason": "silent data corruption confirmed by the SDC monitor",
                                        "local_ranks": [0], "device": "b:0"})]
+
+
+def test_the_heartbeat_deadline_follows_the_jobs_step_time(tmp_path):
+    """A worker whose steps take 50 s (checked SDC steps, evals on a loaded host) is not hung
+    after 30 s of silence; without such steps behind it, it is (issue 38.5, 41.4). The beats'
+    times are set on the real files, not waited for."""
+    import os
+    import time
+    from datetime import timedelta
+
+    from resilient.agent.heartbeat import HeartbeatMonitor
+
+    mon = HeartbeatMonitor(tmp_path, timedelta(seconds=30), timedelta(seconds=300))
+    mon.reset(0)
+    now = time.time()
+    for beat in (now - 250, now - 200, now - 150):   # three steps of 50 s, seen as they came
+        open(mon.path(0), "a").close()
+        os.utime(mon.path(0), (beat, beat))
+        mon.silent_for(0)
+    assert mon.deadline(0) == 4 * 50
+    assert mon.silent_for(0) is None            # 150 s quiet: within 4 steps of 50 s
+    fresh = HeartbeatMonitor(tmp_path / "other", timedelta(seconds=30), timedelta(seconds=300))
+    fresh.reset(0)
+    open(fresh.path(0), "a").close()
+    os.utime(fresh.path(0), (now - 150, now - 150))
+    quiet, limit = fresh.silent_for(0)          # no steps measured: the configured 30 s
+    assert limit == 30 and quiet >= 150

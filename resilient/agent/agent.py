@@ -99,6 +99,27 @@ class EtcdOutage(AgentError):
                 "durable version")
 
 
+class ControlPlaneLost(AgentError):
+    """etcd stopped answering and nodes of this round are certainly gone (their agents' pids
+    are gone from this host, or their ports refuse connections): the control plane left with
+    them (the embedded etcd of the first agent, say). Waiting for it is pointless: the node
+    stops at once, after making its newest whole version durable."""
+
+    def __init__(self, endpoint: str, lost: list[str], nodes: list[str], run_dir: str):
+        self.endpoint, self.lost, self.nodes, self.run_dir = endpoint, lost, nodes, run_dir
+        super().__init__(endpoint, lost)
+
+    def __str__(self) -> str:
+        newest = newest_durable(Path(self.run_dir) / "events.jsonl")
+        saved = (f"the newest durable version is step {newest['step']} at {newest.get('url')}" if newest
+                 else "no durable version was written; this node's RAM store is kept for a relaunch on this machine")
+        lost = ", ".join(repr(n) for n in self.lost)
+        return (f"node(s) {lost} of this run are gone (agent process gone or its port refuses connections), and "
+                f"etcd at {self.endpoint} went with them: no node can re-form the job. This node stopped; {saved}. "
+                f"Relaunch every node of the run with the same command (nodes {', '.join(self.nodes)}; the lost "
+                f"one(s) on a healthy machine if theirs is gone): the job resumes from its newest complete version")
+
+
 def newest_durable(log_path: Path) -> dict | None:
     """The ``commit`` event of the newest durable version in a run's event log, or None."""
     newest = None
@@ -210,6 +231,9 @@ class ResilientAgent(SimpleElasticAgent):
         except EtcdOutage:
             self.stop_reason = "etcd_outage"
             raise
+        except ControlPlaneLost:
+            self.stop_reason = "control_plane_lost"
+            raise
         except RendezvousGracefulExitError:
             self.stop_reason = "rendezvous_closed"
             raise
@@ -237,6 +261,7 @@ class ResilientAgent(SimpleElasticAgent):
         try:
             waiting = self._handler_nodes_waiting()
         except RendezvousUnavailable as e:
+            self._raise_if_control_plane_lost(e)
             if self._etcd_down_since is None:
                 self._etcd_down_since = started
                 log.warning("etcd at %s is unreachable; the workers train on, and this node stops if it "
@@ -262,8 +287,21 @@ class ResilientAgent(SimpleElasticAgent):
         return waiting
 
     # -- rendezvous -----------------------------------------------------------
+    def _raise_if_control_plane_lost(self, cause: BaseException | None = None) -> None:
+        """:class:`ControlPlaneLost` when etcd does not answer and members of this round are
+        certainly gone: an outage of an etcd whose nodes live is ridden through (bounded by
+        ``etcd_outage``), but one that left with its nodes never comes back."""
+        if self.registry is None or self._etcd_answers():
+            return
+        lost = self.registry.gone_for_sure(self.round_nodes)
+        if lost:
+            raise ControlPlaneLost(self.settings.etcd_endpoint, sorted(lost), sorted(self.round_nodes),
+                                   self.settings.run_dir) from cause
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         t0 = time.monotonic()
+        if self._round:   # a re-form: its workers failed; with the control plane gone, no round will come
+            self._raise_if_control_plane_lost()
         for attempt in range(1, MAX_LOST_ROUNDS + 1):
             self._evict_dead_members(worker_group)
             try:
@@ -513,6 +551,8 @@ class ResilientAgent(SimpleElasticAgent):
                              grace_seconds=self.settings.preemption_grace.total_seconds())
         if running and death_sig in (signal.SIGTERM, signal.SIGINT):
             # Preempted or stopped by our own decision: the workers finish the step and save.
+            if not preempted:   # ours: they must not call it a preemption
+                self.heartbeats.announce_stop(self.stop_reason or "stopped by its agent")
             self._stop_workers(self._worker_group, signal.SIGTERM, self.settings.preemption_grace)
             if self.store is not None and not self.etcd_gone:
                 # The newest version must survive this node: replicate it before leaving.
@@ -522,6 +562,13 @@ class ResilientAgent(SimpleElasticAgent):
         else:
             self._stop_workers(self._worker_group, death_sig, timedelta(seconds=timeout))
         self.pool.close()
+        if self.store is not None and self.stop_reason == "control_plane_lost":
+            # The committed versions' records left with etcd: make the newest whole one durable
+            # (the workers, dead with their peer, could not), as an etcd-outage stop does.
+            url = self.settings.durable_url or (Path(self.settings.run_dir) / "checkpoints").as_uri()
+            step = self.store.make_durable(url)
+            log.warning("the control plane is gone: %s", f"made step {step} durable at {url}" if step is not None
+                        else "no whole version in this node's store to make durable")
         if self.store is not None:  # kept for a relaunch while the run is unfinished (issue 38)
             self.store.close(self.stop_reason)
         if self.compactor is not None:

@@ -12,6 +12,7 @@ state: that phase gets its own, longer timeout.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -21,6 +22,9 @@ from pathlib import Path
 
 HEARTBEAT_ENV = "RESILIENT_HEARTBEAT_FILE"
 QUARANTINE_SUFFIX = ".quarantine"  # beside a worker's heartbeat file: HeartbeatWriter.mark_quarantine
+# In the heartbeat directory: why the agent itself stops the workers (an etcd outage, its control
+# plane gone), written before their SIGTERM: a stop the agent decides is not a preemption.
+STOP_REASON = "stop-reason"
 
 
 class HeartbeatWriter:
@@ -49,6 +53,16 @@ class HeartbeatWriter:
         if self.path:
             Path(self.path + QUARANTINE_SUFFIX).touch()
 
+    def stop_reason(self) -> str | None:
+        """Why the agent stops this worker, when it decided so (HeartbeatMonitor.announce_stop);
+        None for a SIGTERM from outside (a preemption) or outside an agent."""
+        if not self.path:
+            return None
+        try:
+            return (Path(self.path).parent / STOP_REASON).read_text()[:500] or None
+        except OSError:
+            return None
+
     @contextlib.contextmanager
     def while_waiting(self, every: timedelta = timedelta(seconds=1)):
         """Beat from a thread during a long wait that has its own bound (the
@@ -71,12 +85,33 @@ class HeartbeatWriter:
 class HeartbeatMonitor:
     """The agent side: one file per local worker in a private directory."""
 
+    # The deadline follows the job's real steps: STEP_MULTIPLE times the longest of the last
+    # RECENT gaps between beats (checked SDC steps, evals, a loaded host all included), never
+    # below ``timeout``. A fixed 30 s killed healthy workers whose checked steps took longer.
+    STEP_MULTIPLE = 4
+    RECENT = 32
+
     def __init__(self, directory: Path, timeout: timedelta, startup_timeout: timedelta):
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.timeout = timeout
         self.startup_timeout = startup_timeout
         self._started: dict[int, float] = {}
+        self._last_beat: dict[int, float] = {}
+        self._gaps: dict[int, collections.deque] = {}
+
+    def deadline(self, local_rank: int) -> float:
+        """Seconds a worker that has beaten may stay silent: ``timeout``, or more when its
+        steps take longer (:data:`STEP_MULTIPLE` × its longest recent gap between beats)."""
+        gaps = self._gaps.get(local_rank)
+        return max(self.timeout.total_seconds(), self.STEP_MULTIPLE * max(gaps, default=0.0) if gaps else 0.0)
+
+    def _observe(self, local_rank: int, mtime: float) -> None:
+        last = self._last_beat.get(local_rank)
+        if last is not None and mtime > last:
+            self._gaps.setdefault(local_rank, collections.deque(maxlen=self.RECENT)).append(mtime - last)
+        if last is None or mtime > last:
+            self._last_beat[local_rank] = mtime
 
     def path(self, local_rank: int) -> str:
         return str(self.dir / f"worker{local_rank}.beat")
@@ -87,6 +122,12 @@ class HeartbeatMonitor:
         p.unlink(missing_ok=True)
         Path(self.path(local_rank) + QUARANTINE_SUFFIX).unlink(missing_ok=True)
         self._started[local_rank] = time.time()
+        self._last_beat.pop(local_rank, None)  # the step times stay: the job's steps, whoever takes them
+
+    def announce_stop(self, reason: str) -> None:
+        """Tell the workers, before their SIGTERM, that this stop is the agent's own (``reason``)."""
+        with contextlib.suppress(OSError):
+            (self.dir / STOP_REASON).write_text(reason)
 
     def quarantine_marked(self, local_rank: int) -> bool:
         """Whether the worker said its device is bad (HeartbeatWriter.mark_quarantine)."""
@@ -96,8 +137,10 @@ class HeartbeatMonitor:
         """(seconds since the last beat, the timeout that applies), or None if fine."""
         now = time.time()
         try:
-            last, limit = os.stat(self.path(local_rank)).st_mtime, self.timeout
+            last = os.stat(self.path(local_rank)).st_mtime
+            self._observe(local_rank, last)
+            limit = self.deadline(local_rank)
         except FileNotFoundError:
-            last, limit = self._started.get(local_rank, now), self.startup_timeout
+            last, limit = self._started.get(local_rank, now), self.startup_timeout.total_seconds()
         quiet = now - last
-        return (quiet, limit.total_seconds()) if quiet > limit.total_seconds() else None
+        return (quiet, limit) if quiet > limit else None

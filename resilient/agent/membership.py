@@ -125,8 +125,13 @@ class NodeRegistry:
     """``secret``: the job secret (default: from the environment, :func:`resilient.secret.require_secret`)."""
 
     def __init__(self, client: EtcdClient, run_id: str, node_id: str, domain: str, ttl: timedelta,
-                 secret: JobSecret | bytes | None = None, events: Any = None):
+                 secret: JobSecret | bytes | None = None, events: Any = None, confirm: timedelta | None = None):
+        """``confirm``: a node whose key lapsed is lost only with a second signal (its agent's pid
+        gone from this host, its port refusing: :meth:`gone_for_sure`) or once missing this long;
+        None: two misses in a row are enough."""
         self.client = client
+        self.confirm = confirm
+        self._missing_since: dict[str, float] = {}
         self.run_id = run_id
         self.secret = JobSecret.of(secret) if secret is not None else require_secret(what="the node registry")
         self.events = events
@@ -142,6 +147,7 @@ class NodeRegistry:
         self._stores: dict[str, str] = {}             # rdzv name -> store address, from the last full read
         self._everyone = RegistryReader(client, run_id, self.secret, events)  # the full reads, incremental
         self._ids: dict[str, str] = {}                # rdzv name -> node id, of this node's round
+        self.seen: dict[str, dict] = {}               # node id -> its last authentic entry (gone_for_sure)
 
     def update(self, **info) -> None:
         """Add fields to this node's description (e.g. its store address) and re-publish it."""
@@ -240,6 +246,7 @@ class NodeRegistry:
             log.debug("node registry unreachable: %s", e)
             return None
         self._stores = {d.get("rdzv"): d.get("store") for n, d in nodes.items() if n != self.node_id}
+        self.seen.update(nodes)
         return self._ours_back(nodes)
 
     def _ours_back(self, nodes: dict[str, dict]) -> dict[str, dict]:
@@ -281,14 +288,22 @@ class NodeRegistry:
         if nodes is None:
             return set()
         gone = set()
+        now = time.monotonic()
         for m in members:
             if m in nodes:
                 self._missing.pop(m, None)
+                self._missing_since.pop(m, None)
             else:
                 self._missing[m] = self._missing.get(m, 0) + 1
+                self._missing_since.setdefault(m, now)
                 if self._missing[m] >= 2:
                     gone.add(m)
-        return gone
+        if self.confirm is None or not gone:
+            return gone
+        # A lapsed lease alone is a stalled agent as often as a dead one (a loaded host, a long
+        # GC pause): lost only with a second signal, or once missing past the bound.
+        late = {m for m in gone if now - self._missing_since[m] >= self.confirm.total_seconds()}
+        return late | self.gone_for_sure(gone - late)
 
     full_every = 10  # lost(neighbours=k): every this many checks, all members
 
@@ -312,6 +327,7 @@ class NodeRegistry:
                 nodes[key[len(self.prefix):]] = self.secret.open_record(PURPOSE, key, kv.value)
             except Unauthentic as e:
                 report_unauthentic(self.events, "node registry entry", key, e)
+        self.seen.update(nodes)
         return self._ours_back(nodes)
 
     def proven_dead(self, names: list[str], timeout: timedelta = timedelta(seconds=0.5)) -> set[str]:
@@ -337,6 +353,23 @@ class NodeRegistry:
         with ThreadPoolExecutor(min(len(targets), 16), thread_name_prefix="probe") as pool:
             verdicts = list(pool.map(lambda n: refuses_connections(stores[n], timeout), targets))
         return {n for n, dead in zip(targets, verdicts) if dead}
+
+    def gone_for_sure(self, node_ids: set[str], timeout: timedelta = timedelta(seconds=0.5)) -> set[str]:
+        """The nodes among ``node_ids`` whose agent is certainly gone, from what their last entry
+        said (no etcd needed: it may be the thing that is gone): its pid is no process of this
+        host, or its snapshot server refuses connections. A node never seen, or one that only
+        does not answer (slow, partitioned), is not."""
+        dead = set()
+        for node in sorted(node_ids - {self.node_id}):
+            doc = self.seen.get(node)
+            if doc is None:
+                continue
+            pid = doc.get("pid")
+            if doc.get("host") == socket.gethostname() and isinstance(pid, int) and not psutil.pid_exists(pid):
+                dead.add(node)
+            elif doc.get("store") and refuses_connections(doc["store"], timeout):
+                dead.add(node)
+        return dead
 
     def know_round(self, rdzv_names: list[str], node_ids: list[str]) -> None:
         """This node's round: its members' rendezvous names and node ids, both by rank."""

@@ -148,7 +148,45 @@ class NodeStoreService:
                          fix="enlarge /dev/shm (or the filesystem of snapshot.store_dir) or lower snapshot.store_keep")
 
     def set_workers(self, ranks: set[int], world: int) -> None:
+        self.world = world
         self.replicator.set_workers(ranks, world)
+
+    def make_durable(self, url: str, timeout: timedelta = timedelta(seconds=60)) -> int | None:
+        """Copy the newest version this store holds whole (every rank of the last round's world:
+        its own shards and its peers' replicas) to the durable tier at ``url`` and commit it there
+        as the workers' committer does (each rank manifest's MAC checked, the global manifest signed
+        last). For a node whose control plane is gone (its workers died with a peer): what the
+        job committed in RAM must not be lost with the node. Returns the step made durable, or
+        None when no version is whole here (its ranks are on other nodes) or the copy failed."""
+        import fsspec
+
+        from resilient.snapshot.auth import VersionAuth
+        from resilient.snapshot.durable import Committer, DurableOptions
+
+        world = getattr(self, "world", 0)
+        whole = [v for v in self.store.versions() if world and v.ranks >= set(range(world))]
+        if not whole:
+            return None
+        v = whole[-1]
+        fs, root = fsspec.core.url_to_fs(url)
+        root = root.rstrip("/")
+        adir = f"{version_dir(v.step)}/{v.attempt}"
+        try:
+            fs.makedirs(f"{root}/{adir}", exist_ok=True)
+            names = sorted(os.listdir(self.store.path / adir), key=lambda n: n.endswith(".json"))  # manifests last
+            for name in names:
+                if name.endswith((".bin", ".json")):
+                    fs.put_file(str(self.store.path / adir / name), f"{root}/{adir}/{name}")
+            committer = Committer(fs, root, world, DurableOptions(), self.events, url, VersionAuth(self.secret))
+            try:
+                committer.add(v.step, v.attempt)
+                committer.wait_idle(timeout)
+            finally:
+                committer.close(timedelta(seconds=1))
+        except Exception as e:  # nothing to lose by trying: the node store keeps the version too
+            log.warning("could not make step %d durable at %s: %s", v.step, url, e)
+            return None
+        return v.step if committer.committed == v.step else None
 
     def flush(self, timeout: timedelta) -> bool:
         return self.replicator.flush(timeout)

@@ -63,6 +63,8 @@ class FailSlowConfig:
             raise ConfigError(f"{source}: rejoin_probes = {self.rejoin_probes}; a marked node needs ≥ 1 healthy probe to rejoin")
         if not self.rejoin_interval > 0:
             raise ConfigError(f"{source}: rejoin_interval = {self.rejoin_interval}; give the seconds between probes (> 0, e.g. 5)")
+        if self.min_remaining_steps < 0:
+            raise ConfigError(f"{source}: min_remaining_steps = {self.min_remaining_steps}; use 0 (the arithmetic alone decides) or a number of steps")
         if self.reform_seconds < 0:
             raise ConfigError(f"{source}: reform_seconds = {self.reform_seconds}; use 0 for measured or a positive number")
 

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.configbase import explain, knob, load_section, section_to_dict
+from resilient.configbase import check_bounds, explain, knob, load_section, section_to_dict
 from resilient.errors import ConfigError
 from resilient.runconfig import RuntimeConfig, read_config_table
 
@@ -180,6 +180,13 @@ class Config(RuntimeConfig):
         for key, val in at_least_zero:
             if val < 0:
                 raise ConfigError(f"{src}: '{key}' must be ≥ 0 (0 = automatic or off), got {val}")
+        # The GPT's rates and factors: nothing negative, betas and the held-out share below 1.
+        check_bounds(m, "model", above={"rope_theta": 0, "norm_eps": 0, "init_std": 0})
+        check_bounds(t, "train", at_least={"lr": 0, "min_lr": 0, "weight_decay": 0, "beta1": 0, "beta2": 0,
+                                           "grad_clip": 0, "peak_tflops": 0, "log_every": 1},
+                     below={"beta1": 1, "beta2": 1})
+        check_bounds(self.data, "data", above={"val_fraction": 0}, below={"val_fraction": 1},
+                     at_least={"max_bytes": 0})
 
     def validate_layout(self, world_size: int) -> None:
         """Raise :class:`ConfigError` for combinations that cannot run."""

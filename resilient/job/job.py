@@ -546,10 +546,13 @@ class Job:
                              **({"replaced": slow["slow_node"]} if slow else {}))
             raise SystemExit(SLOW_EXIT if self.failslow.leaving else PEER_LEFT_EXIT)
         if self.stop_requested:
-            self.events.emit("run_end", step=self.step, preempted=True)
-            if self.rank == 0:   # what the preemption did, in one line of ours
+            # A stop the agent decided (an etcd outage, say) is said as such, not as a preemption.
+            ours = self.heartbeat.stop_reason()
+            self.events.emit("run_end", step=self.step, preempted=ours is None, **({"stopped": ours} if ours else {}))
+            if self.rank == 0:   # what the stop did, in one line of ours
                 where = self.keeper.durable.url if self.keeper.durable is not None else "nowhere durable"
-                print(f"resilient: preempted after step {self.step}: saved in {' and '.join(self.tiers())} "
+                what = f"stopped by its agent ({ours})" if ours else "preempted"
+                print(f"resilient: {what} after step {self.step}: saved in {' and '.join(self.tiers())} "
                       f"({where}); a relaunch resumes from step {self.step}", file=sys.stderr, flush=True)
         else:
             digest = param_digest(self.guard.view.named_parameters()) if self.modules else None

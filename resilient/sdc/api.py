@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.configbase import knob
+from resilient.configbase import check_bounds, knob
 from resilient.errors import ConfigError, ResilientError
 
 
@@ -202,10 +202,7 @@ class SdcConfig:
         at_least = {"check_every": 0, "param_check_every": 0, "state_check_every": 0, "loss_spike_k": 0,
                     "grad_spike_k": 0, "abft_every": 0, "activation_every": 0, "activation_spike_k": 0, "spike_window": 1, "spike_warmup": 0, "bound_safety": 1,
                     "max_transients": 1, "probe_every": 0, "probe_matmul": 1, "probe_reduce": 1}
-        for key, least in at_least.items():
-            value = getattr(self, key)
-            if not value >= least:  # NaN-safe
-                raise ConfigError(f"'sdc.{key}' must be ≥ {least}, got {value}")
+        check_bounds(self, "sdc", at_least=at_least)
         if self.spike_warmup > self.spike_window:
             raise ConfigError(f"'sdc.spike_warmup' ({self.spike_warmup}) must not exceed 'sdc.spike_window' "
                               f"({self.spike_window}): spikes would never be judged")

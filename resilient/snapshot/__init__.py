@@ -6,17 +6,18 @@
 - :mod:`.auth`             every version signed with the job secret (manifest HMAC, chunk GMAC)
 """
 
-from resilient.snapshot.api import (
-    ChunkRecord, FormatVersionError, Manifest, NoSnapshotFound, Restored, SnapshotCorrupt,
-    SnapshotError, SnapshotIncomplete, SnapshotMismatch, StorageError, TensorRecord,
-)
-from resilient.snapshot.auth import SnapshotUnauthentic, SnapshotUnsigned, VersionAuth
-from resilient.snapshot.boxes import Box
-from resilient.snapshot.reader import SnapshotReader, VersionInfo
-from resilient.snapshot.retention import collect_garbage
-from resilient.snapshot.rng import rng_state, set_rng_state
-from resilient.snapshot.snapshotter import Snapshotter
-from resilient.snapshot.storage import RetryPolicy
+import importlib
+
+# Lazy (PEP 562): ``resilient.snapshot.config`` is read while a run config is checked, before
+# anything imports torch (a typo is answered at once); these names pull in the format, so torch.
+_WHERE = {
+    **dict.fromkeys(("ChunkRecord", "FormatVersionError", "Manifest", "NoSnapshotFound", "Restored",
+                     "SnapshotCorrupt", "SnapshotError", "SnapshotIncomplete", "SnapshotMismatch",
+                     "StorageError", "TensorRecord"), "api"),
+    **dict.fromkeys(("SnapshotUnauthentic", "SnapshotUnsigned", "VersionAuth"), "auth"),
+    "Box": "boxes", "SnapshotReader": "reader", "VersionInfo": "reader", "collect_garbage": "retention",
+    "rng_state": "rng", "set_rng_state": "rng", "Snapshotter": "snapshotter", "RetryPolicy": "storage",
+}
 
 __all__ = [
     "Snapshotter", "SnapshotReader", "VersionInfo", "Box", "RetryPolicy", "Restored", "collect_garbage",
@@ -24,3 +25,15 @@ __all__ = [
     "SnapshotError", "SnapshotCorrupt", "SnapshotIncomplete", "SnapshotMismatch",
     "FormatVersionError", "NoSnapshotFound", "StorageError", "SnapshotUnauthentic", "SnapshotUnsigned", "VersionAuth",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'resilient.snapshot' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"resilient.snapshot.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -20,6 +20,10 @@ __all__ = [
     "ChunkRecord", "TensorRecord", "Manifest", "Restored",
 ]
 
+# A version's directory: VERSION_PREFIX + the step, zero-padded (format.version_dir). Here, not in
+# .format: the preflight counts the durable tier's versions before anything imports torch.
+VERSION_PREFIX = "step-"
+
 
 class SnapshotError(ResilientError):
     """Base of every snapshot error. ``obj`` names the object (URL or path) at fault."""

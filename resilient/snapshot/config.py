@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from resilient.configbase import knob
+from resilient.configbase import check_bounds, knob
 from resilient.errors import ConfigError
 
 # ``snapshot.every`` / ``snapshot.durable_every`` = "auto": the interval is chosen while the job
@@ -69,6 +69,13 @@ class SnapshotConfig:
     def __post_init__(self) -> None:
         self.every = _interval("every", self.every)
         self.durable_every = _interval("durable_every", self.durable_every)
+        # 0 means off (or unlimited) where the knob says so; a count of versions, threads or
+        # chunk MiB below 1 would keep or move nothing.
+        check_bounds(self, "snapshot",
+                     at_least={"every": 0, "durable_every": 0, "durable_seconds": 0, "keep_every": 0,
+                               "replicas": 0, "replicate_mib_s": 0, "keep_last": 1, "store_keep": 1,
+                               "upload_threads": 1, "chunk_mib": 1, "part_mib": 1, "replicate_max_stride": 1},
+                     above={"replicate_duty": 0}, at_most={"replicate_duty": 1})
         if not 0 < self.auto_budget <= 1:
             raise ConfigError(f"'snapshot.auto_budget' = {self.auto_budget!r}: expected a share of the link in (0, 1]")
         if not 1 <= self.auto_min_steps <= self.auto_max_steps:

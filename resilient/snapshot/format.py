@@ -29,13 +29,12 @@ from typing import Any
 import torch
 
 from resilient.snapshot.api import (
-    ChunkRecord, FormatVersionError, Manifest, SnapshotCorrupt, TensorRecord,
+    VERSION_PREFIX, ChunkRecord, FormatVersionError, Manifest, SnapshotCorrupt, TensorRecord,
 )
 
 FORMAT_NAME = "resilient.snapshot"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-VERSION_PREFIX = "step-"
 ZSTD_LEVEL = 1
 
 _DTYPES = {

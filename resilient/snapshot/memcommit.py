@@ -568,11 +568,16 @@ class Replicator(LeaderCommit):
             free = self.store.free_bytes()
         except OSError:
             return
-        if free < (64 << 20) and time.monotonic() - self._warned_full > 30:
+        # Calibrated on this job's own versions: the next one needs what the newest took (less the
+        # retired files it rewrites in place); a fixed threshold warned every 30 s on a 64 MB
+        # /dev/shm where a small job's versions land fine.
+        need = self.store.version_bytes(steps[-1]) - self.store.spares.bytes() if steps else 0
+        if free < need and time.monotonic() - self._warned_full > 30:
             self._warned_full = time.monotonic()
             self._emit("upload_error", step=self.done, phase="store_full", obj=str(self.store.path),
-                       error=f"node store {self.store.path} has {free >> 20} MiB left; versions will fail to "
-                             "land in RAM (training goes on). Enlarge /dev/shm or lower snapshot.store_keep")
+                       error=f"node store {self.store.path} has {free >> 20} MiB left, less than a version of this "
+                             f"job takes ({need >> 20} MiB); versions will fail to land in RAM (training goes on). "
+                             "Enlarge /dev/shm or lower snapshot.store_keep")
         del removed
 
     # -- control ----------------------------------------------------------------

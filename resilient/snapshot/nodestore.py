@@ -191,6 +191,16 @@ class NodeStore:
         st = os.statvfs(self.path)
         return st.f_bavail * st.f_frsize
 
+    def version_bytes(self, step: int) -> int:
+        """Bytes the files of ``step``'s version take in this store (every attempt, own shards and
+        peers' replicas alike): what the next version will need again."""
+        total = 0
+        for top, _, files in os.walk(self.path / version_dir(step)):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(top, name)).st_size
+        return total
+
     # -- commit status ----------------------------------------------------------
     def publish_committed(self, committed: dict[str, int]) -> None:
         """The agent's newest commit per memory tier, for its workers' progress lines
@@ -367,6 +377,13 @@ class Spares:
                     have += 1
                 except OSError:  # the store is going away, or the file is gone: not worth keeping
                     pass
+
+    def bytes(self) -> int:
+        """What the spare files take (a new version rewrites them instead of growing the store)."""
+        try:
+            return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(self.path))
+        except OSError:
+            return 0
 
     def claim(self, target: Path, like: str = "") -> bool:
         """Move a spare file to ``target`` (in the same store); False if none is left.
