@@ -5,16 +5,25 @@ RESULTS.md: the reason resilient/etcd/transport.py exists, reproducible).
 
 Starts a real etcd on loopback, runs each request kind 600 times after 50 warm-ups and
 prints this process's CPU and etcd's (psutil) per request, for ``EtcdClient`` and for a
-bare ``http.client`` connection (the floor of the JSON gateway from Python). Twice: without
-authentication, and with it as ``resilient launch`` runs its embedded etcd (a root password,
-every request carries a token etcd checks).
+bare ``http.client`` connection (the floor of the JSON gateway from Python). Three etcds,
+side by side (``--rounds`` times, alternating): without authentication; with a root password
+(every request carries a token etcd checks: the embedded etcd before issue 39); and as
+``resilient launch`` runs its embedded etcd now: that password plus client TLS (certificates
+derived from a job secret, required on the client port). The ``reconnecting`` row opens a new
+connection for each request (the TLS handshake: what a short-lived tool, or a new thread's
+first request, pays).
+
+    python bench/etcd_client_cost.py --rounds 2
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import http.client
 import json
+import ssl
+import tempfile
 import time
 
 import psutil
@@ -28,14 +37,27 @@ def b64(s: str) -> str:
     return base64.b64encode(s.encode()).decode()
 
 
+MODES = {"none": "without authentication",
+         "password": "with authentication (root, token per request)",
+         "password+tls": "with authentication and client TLS (resilient launch's embedded etcd)"}
+
+
 def main() -> None:
-    for password in (None, "bench-root-password-" + "x" * 32):
-        print("with authentication (root, token per request)" if password else "without authentication")
-        measure(password)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=1, help="times each mode is measured, alternating")
+    args = ap.parse_args()
+    for r in range(args.rounds):
+        for mode in (MODES if r % 2 == 0 else reversed(list(MODES))):
+            print(f"[round {r + 1}] {MODES[mode]}")
+            measure(mode)
 
 
-def measure(password: str | None) -> None:
-    with EmbeddedEtcd(root_password=password) as srv:
+def measure(mode: str) -> None:
+    from resilient.etcd.pki import derive_tls
+
+    password = None if mode == "none" else "bench-root-password-" + "x" * 32
+    tls = derive_tls(b"bench secret " * 3, tempfile.mkdtemp(), server=True) if mode == "password+tls" else None
+    with EmbeddedEtcd(root_password=password, tls=tls) as srv:
         etcd = psutil.Process(srv.pid)
         c = srv.client()
 
@@ -55,7 +77,18 @@ def measure(password: str | None) -> None:
         run("EtcdClient commit txn", lambda i: c.create_all({f"/x/c/local/{i:012d}": "v" * 300,
                                                             f"/x/c/memory/{i:012d}": "v" * 300}))
         run("EtcdClient get", lambda i: c.get("/x/h/000000000001/a"))
-        conn = http.client.HTTPConnection(srv.host, srv.client_port)
+
+        def reconnecting(i):
+            c._gw[0]._forget()   # the next request opens a new connection (TLS: a new handshake)
+            c.get("/x/h/000000000001/a")
+
+        run("EtcdClient get reconnecting", reconnecting)
+        if tls is not None:
+            ctx = ssl.create_default_context(cafile=str(tls.ca))
+            ctx.load_cert_chain(str(tls.client_cert), str(tls.client_key))
+            conn = http.client.HTTPSConnection(srv.host, srv.client_port, context=ctx)
+        else:
+            conn = http.client.HTTPConnection(srv.host, srv.client_port)
         headers = {"Content-Type": "application/json"}
 
         def raw(path: str, body: dict) -> dict:

@@ -15,9 +15,9 @@ for the workers (``RESILIENT_RUNTIME_CONFIG``); then etcd is found and a
 
 etcd: ``--rdzv-endpoint HOST:PORT[,...]`` uses an existing cluster (a real
 fleet: three or five members, so no node is a single point of failure).
-Without it, the first agent on a machine starts an embedded etcd and writes
-its endpoint to ``RUN_DIR/etcd.endpoint``; other agents given the same run
-dir join through that file. The embedded etcd lives in the first agent's
+Without it, the agents of a run dir share an embedded etcd: the one whose
+claim on ``RUN_DIR/control`` wins runs it, the others join it, in any start
+order (:mod:`resilient.control`). The embedded etcd lives in its owner's
 process tree: losing that node ends the job for everyone (see the README).
 
 This module imports no torch at import time: ``resilient launch`` parses its
@@ -343,66 +343,26 @@ LEAVE_WAIT = timedelta(seconds=15)
 @contextlib.contextmanager
 def etcd_endpoint(args: argparse.Namespace, run_dir: Path, run_id: str | None = None,
                   node: str | None = None, secret=None) -> Iterator[str]:
-    """The etcd to rendezvous through: given, shared through the run dir, or our own
-    (``--standalone``: always our own, shared with nobody).
-
-    Our own is watched (restarted on the same ports and data when it dies: the others'
-    clients ride through) and, at the end, kept up until the other agents of ``run_id``
-    have left (at most :data:`LEAVE_WAIT`), so that their last calls (the lease revoke,
-    the rendezvous close) succeed at once instead of retrying against a dead etcd.
-
-    Our own runs with etcd's authentication: its root password is derived from the job
-    ``secret`` (default: the one in the environment), so the agents and workers of the
-    run log in (:func:`resilient.etcd.server.embedded_etcd_conf`) and a process without
-    the secret, though it can reach the loopback port, can neither read, write nor delete
-    a key (but see the etcd 3.4/3.5 gap in :mod:`resilient.etcd.server`). A given etcd
-    (``--rdzv-endpoint``) is the operator's to secure."""
-    from resilient.etcd import EmbeddedEtcd, EtcdAuthError, EtcdClient, EtcdError
-    from resilient.etcd.server import embedded_etcd_conf
-    from resilient.secret import require_secret
-
+    """The etcd to rendezvous through: given (``--rdzv-endpoint``, the operator's to secure),
+    else the run dir's embedded etcd, owned by one of its agents (:mod:`resilient.control.plane`:
+    claimed atomically, client TLS and a login derived from the job ``secret``, default the one
+    in the environment); ``--standalone``: always our own, shared with nobody. The owner keeps
+    its etcd up at the end until the other agents of ``run_id`` have left (at most
+    :data:`LEAVE_WAIT`), so that their last calls (the lease revoke, the rendezvous close)
+    succeed at once instead of retrying against a dead etcd."""
     if args.rdzv_endpoint:
         yield args.rdzv_endpoint
         return
-    secret = secret if secret is not None else require_secret(what="the embedded etcd")
-    auth = embedded_etcd_conf(secret)
-    shared = run_dir / "etcd.endpoint"
-    if shared.exists() and not args.standalone:
-        endpoint = shared.read_text().strip()
-        try:
-            with EtcdClient(endpoint, retry_timeout=timedelta(seconds=1), **auth) as c:
-                c.check(timedelta(seconds=2))  # logs in first: our credentials are checked here
-        except EtcdAuthError as e:
-            raise LaunchError(
-                f"the embedded etcd at {endpoint} (named in {shared}) refused this node's login: this node has "
-                f"another job secret (fingerprint {secret.fingerprint}) than the agent that started it. Give "
-                f"every node of the job the same secret (by default the run dir's {shared.parent / 'job.secret'}); "
-                f"if no agent of this run is alive, the file is stale: remove {shared}. ({e})") from None
-        except EtcdError:
-            pass  # a stale file from an ended run: start our own
-        else:
-            yield endpoint
-            return
-    with EmbeddedEtcd(root_password=auth["password"]) as etcd:
-        def restarted(code: int | None, seconds: float) -> None:
-            print(f"resilient: the embedded etcd at {etcd.endpoint} died (exit code {code}); restarted it on "
-                  f"the same ports and data in {seconds:.1f} s, the job goes on", file=sys.stderr, flush=True)
+    from resilient.control.plane import embedded_etcd
+    from resilient.secret import require_secret
 
-        etcd.watch(on_restart=restarted)
-        if args.standalone:
-            yield etcd.endpoint
-            return
-        shared.write_text(etcd.endpoint)
-        print(f"resilient: embedded etcd at {etcd.endpoint}, with authentication (other agents on this machine: "
-              "the same --run-dir; they log in with the job secret)", file=sys.stderr)
-        try:
-            yield etcd.endpoint
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                if shared.read_text().strip() == etcd.endpoint:
-                    shared.unlink()
-            if run_id is not None:
-                wait_for_agents_to_leave(etcd, run_id, node, LEAVE_WAIT)
+    secret = secret if secret is not None else require_secret(what="the embedded etcd")
+    def let_the_others_leave(etcd) -> None:
+        if run_id is not None:
+            wait_for_agents_to_leave(etcd, run_id, node, LEAVE_WAIT)
+
+    with embedded_etcd(run_dir, secret, standalone=args.standalone, before_stop=let_the_others_leave) as endpoint:
+        yield endpoint
 
 
 def wait_for_agents_to_leave(etcd, run_id: str, node: str | None, bound: timedelta) -> list[str]:

@@ -275,13 +275,14 @@ def check_etcd(plan: NodePlan) -> list[CheckResult]:
         return _check_external(plan)
     same_clock = CheckResult("clock", Status.SKIP, "the embedded etcd runs on this machine: one clock "
                              "(nodes on other machines: pass --rdzv-endpoint to compare theirs)")
-    shared = plan.run_dir / "etcd.endpoint"
-    if shared.exists():
-        endpoint = shared.read_text().strip()
-        answers, _ = _probe(plan, endpoint, clock_budget=timedelta(0))
-        if answers:
-            return [CheckResult("etcd", Status.OK, f"the run dir's embedded etcd at {endpoint} answers "
-                                f"(etcd {answers[0].version}); this node joins it"), same_clock]
+    from resilient.control.claim import peek_owner
+
+    # The run dir's owner record, unauthenticated (no secret here): only said, never connected
+    # to; the agent checks it with the secret when it joins (resilient.control.claim).
+    owner = peek_owner(plan.run_dir)
+    if owner is not None:
+        return [CheckResult("etcd", Status.OK, f"the run dir's embedded etcd at {owner.endpoint} is run by agent "
+                            f"pid {owner.pid}; this node joins it"), same_clock]
     return [_check_embedded_binary(), same_clock]
 
 

@@ -4,7 +4,7 @@ under ``resilient launch`` with its embedded etcd, real processes, real kills.
 - kill -9 of the embedded etcd mid-run: the agent that owns it restarts it on the same
   ports and data, memory-tier commits resume, the run ends bitwise equal to a fault-free
   one, and nothing reads the outage as a preemption;
-- two agents on one run dir, the second finding the etcd through ``RUN_DIR/etcd.endpoint``,
+- two agents on one run dir, the second finding the etcd through the owner record (resilient.control),
   the second one frozen (SIGSTOP) for a moment as the owner of the etcd leaves: the owner
   keeps its etcd up until the other has left, and both exit 0 without error text;
 - the owner's wait for the others (:func:`resilient.launch.wait_for_agents_to_leave`) against
@@ -27,6 +27,7 @@ import pytest
 
 from launchutil import REPO, Agent, digests, events, run_launch, wait_for
 from resilient.etcd.testing import embedded_etcd
+from resilient.control.claim import peek_owner
 from resilient.launch import LEAVE_WAIT, default_run_id, wait_for_agents_to_leave
 from resilient.snapshot.nodestore import reclaim
 
@@ -123,7 +124,7 @@ def test_nodes_leaving_one_after_the_other_both_exit_cleanly(tmp_path):
     try:
         a = Agent(EXAMPLE, run, SETS, "a", nnodes="2", nproc=1, script_args=script(pace=0.05))
         agents.append(a)
-        wait_for(lambda: (run / "etcd.endpoint").exists(), 120, "the embedded etcd of the first agent")
+        wait_for(lambda: peek_owner(run) is not None, 120, "the embedded etcd of the first agent")
         b = Agent(EXAMPLE, run, SETS, "b", nnodes="2", nproc=1, script_args=script(pace=0.05))
         agents.append(b)
         # As the owner leaves (after the exit barrier: both nodes' workers are done), b's agent

@@ -4,7 +4,8 @@ Why it matters: the MACs of resilient.secret stop a forged record from being *be
 not a record from being *deleted* (a quarantine record deleted admits a quarantined node) nor
 junk from being written. The embedded etcd listens on loopback, where every local user can
 reach it, so it runs with etcd's authentication: user root, with a password derived from the
-job secret (``JobSecret.etcd_password``), never written anywhere.
+job secret (``JobSecret.etcd_password``), never written anywhere; and (issue 39, item 3) with
+client certificates from a CA derived from the secret (resilient.etcd.pki).
 
 - unit: an EmbeddedEtcd with a root password refuses an anonymous put, delete and read and a
   wrong password (EtcdAuthError), takes the derived one, and stays so across a kill and
@@ -36,7 +37,9 @@ from resilient.agent.quarantine import Quarantine, SlowMarks
 from resilient.agent.quarantine import main as quarantine_cli
 from resilient.errors import LaunchError
 from resilient.etcd import EtcdAuthError, EtcdClient
-from resilient.etcd.server import EmbeddedEtcd, ROOT_USER
+from resilient.control.claim import peek_owner
+from resilient.control.plane import client_kwargs
+from resilient.etcd.server import EmbeddedEtcd, ROOT_USER, embedded_etcd_conf
 from resilient.launch import default_run_id, etcd_endpoint
 from resilient.secret import SECRET_ENV, SECRET_FILE_ENV, JobSecret, JobSecretError
 from resilient.snapshot.memcommit import commit_key
@@ -103,25 +106,29 @@ def test_anonymous_and_wrong_logins_are_refused_the_derived_one_works_across_res
     assert users == [ROOT_USER]
 
 
-def test_an_agent_with_another_secret_is_refused_at_the_run_dirs_etcd(secured, tmp_path):
-    (tmp_path / "etcd.endpoint").write_text(secured.endpoint)
+def test_an_agent_with_another_secret_is_refused_at_the_run_dirs_etcd(tmp_path):
+    """The owner's record (RUN_DIR/control/etcd.json) is sealed with its secret: an agent of
+    another secret is refused before it connects (ClaimForged, a LaunchError); the same secret joins."""
     args = argparse.Namespace(rdzv_endpoint=None, standalone=False)
-    with pytest.raises(LaunchError, match="another job secret") as info:
-        with etcd_endpoint(args, tmp_path, secret=OTHER):
-            pass
-    assert OTHER.fingerprint in str(info.value) and OTHER.etcd_password not in str(info.value)
-    with etcd_endpoint(args, tmp_path, secret=SECRET) as endpoint:  # the run's own secret joins it
-        assert endpoint == secured.endpoint
+    with etcd_endpoint(args, tmp_path, secret=SECRET) as owned:   # this process owns the run dir's etcd
+        with pytest.raises(LaunchError, match="another secret") as info:
+            with etcd_endpoint(args, tmp_path, secret=OTHER):
+                pass
+        assert OTHER.fingerprint in str(info.value) and OTHER.etcd_password not in str(info.value)
+        with etcd_endpoint(args, tmp_path, secret=SECRET) as endpoint:  # the run's own secret joins it
+            assert endpoint == owned
 
 
-def test_quarantine_cli_logs_in_to_the_runs_embedded_etcd(secured, tmp_path, capsys, no_secret_env):
+def test_quarantine_cli_logs_in_to_the_runs_embedded_etcd(tmp_path, capsys, no_secret_env):
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    run_dir.mkdir(mode=0o700)
     (run_dir / "job.secret").write_bytes(SECRET.material)
     (run_dir / "job.secret").chmod(0o600)
-    (run_dir / "etcd.endpoint").write_text(secured.endpoint)
     run_id = default_run_id(run_dir)
-    with secured.client() as root:
+    args = argparse.Namespace(rdzv_endpoint=None, standalone=False)
+    with etcd_endpoint(args, run_dir, secret=SECRET) as endpoint, \
+            EtcdClient(endpoint, **client_kwargs(embedded_etcd_conf(SECRET))) as root:
+        secured = argparse.Namespace(endpoint=endpoint)
         q = Quarantine(root, run_id, SECRET)
         q.add("bad", reason="sdc")
         marks = SlowMarks(root, run_id, SECRET)
@@ -145,7 +152,8 @@ def test_quarantine_cli_logs_in_to_the_runs_embedded_etcd(secured, tmp_path, cap
 # public), no job secret. It prints what each attempt got.
 ATTACKER = r"""
 import json, os, pickle, sys
-from resilient.etcd import EtcdAuthError, EtcdClient
+from datetime import timedelta
+from resilient.etcd import EtcdError, EtcdClient
 
 endpoint, run_id, commit_key, gadget_path = sys.argv[1:]
 
@@ -162,13 +170,13 @@ attempts = {
     "read the run's keys": lambda c: c.get_prefix(f"/resilient/{run_id}/"),
 }
 out = {}
-with EtcdClient(endpoint) as c:
+with EtcdClient(endpoint, retry_timeout=timedelta(seconds=1)) as c:
     for name, attempt in attempts.items():
         try:
             attempt(c)
             out[name] = "accepted"
-        except EtcdAuthError as e:
-            out[name] = "EtcdAuthError: " + str(e)
+        except EtcdError as e:
+            out[name] = type(e).__name__ + ": " + str(e)
 print(json.dumps(out))
 """
 
@@ -189,7 +197,7 @@ def test_an_attacker_without_the_secret_cannot_touch_a_running_jobs_etcd(tmp_pat
         assert (run / "job.secret").stat().st_mode & 0o077 == 0
         env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_")}
         attacker = subprocess.run(
-            [sys.executable, "-c", ATTACKER, (run / "etcd.endpoint").read_text().strip(), default_run_id(run),
+            [sys.executable, "-c", ATTACKER, peek_owner(run).endpoint, default_run_id(run),
              commit_key(default_run_id(run), "local", 10**6), str(gadget)], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True,
             timeout=60)
         assert attacker.returncode == 0, attacker.stderr[-3000:]
@@ -203,7 +211,9 @@ def test_an_attacker_without_the_secret_cannot_touch_a_running_jobs_etcd(tmp_pat
         reclaim("/dev/shm", default_run_id(run))
     assert set(got) == {"rendezvous state gadget", "newer commit record", "delete the run's keys",
                         "delete the rendezvous", "read the run's keys"}
-    refused = {name: why.startswith("EtcdAuthError") and "user name is empty" in why for name, why in got.items()}
+    # Refused before any request is read: plain HTTP to its TLS-only port is dropped (tests/
+    # test_attack_etcd.py tries TLS without the job's client certificate, and with its own).
+    refused = {name: why.startswith("Etcd") and why != "accepted" for name, why in got.items()}
     assert all(refused.values()), got
     assert not gadget.exists(), "the pickled gadget ran"
     restored = [(e["tier"], e["step"]) for e in events(run, "restore") if e["step"] > 0]

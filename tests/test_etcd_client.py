@@ -184,5 +184,3 @@ def test_config_errors_are_typed():
         EtcdClient("127.0.0.1:1", cert="/x.pem")
     with pytest.raises(EtcdError, match="username and a password"):
         EtcdClient("127.0.0.1:1", username="u")
-    with pytest.raises(EtcdError, match="one of them"):
-        EtcdClient("127.0.0.1:1", cert="/c.pem", key="/k.pem", username="u", password="p")

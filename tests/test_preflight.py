@@ -43,7 +43,7 @@ def refused(out, run_dir: Path, check: str) -> None:
     assert "nothing was started" in out.stdout and f"FAIL  {check}" in out.stdout, out.stdout[-3000:]
     assert not out.leftover, f"left running: {out.leftover}"
     assert "embedded etcd at" not in out.stdout
-    assert not (run_dir / "etcd.endpoint").exists()
+    assert not (run_dir / "control" / "etcd.json").exists()
     assert not events(run_dir, "agent_start")
 
 

@@ -25,7 +25,8 @@ and ignored, and deleting etcd's copy leaves the others. The CLI takes the job
 secret (``--secret-file``, ``--run-dir`` or the environment) and the TLS/auth
 keys of ``--rdzv-conf``, as ``launch`` does; on a single-machine job
 ``--run-dir`` alone finds the records, the secret, the run id and, while it is
-up, the embedded etcd (``RUN_DIR/etcd.endpoint``, logged in to with the secret).
+up, the embedded etcd (named in ``RUN_DIR/control/etcd.json``; reached with the client
+certificate and login derived from the secret).
 
 A node the fail-slow checks found slow (``failslow.policy = "replace"``) takes
 the same path, lighter: its workers exit with :data:`SLOW_EXIT`, its agent
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from resilient.agent.api import AgentError
-from resilient.etcd import EtcdAuthError, EtcdClient, EtcdError
+from resilient.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdUnavailable
 from resilient.ledger import Copy, EtcdCopy, Ledger, run_copies
 from resilient.secret import (
     QUARANTINE,
@@ -167,7 +168,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("action", choices=("list", "clear"))
     ap.add_argument("node", nargs="?", help="the node to clear")
     ap.add_argument("--rdzv-endpoint", default=None, help="etcd HOST:PORT[,...] of the job (default with --run-dir: "
-                    "the run's embedded etcd, RUN_DIR/etcd.endpoint, if it is still up)")
+                    "the run's embedded etcd, RUN_DIR/control/etcd.json, while its agent runs)")
     ap.add_argument("--run-id", default=None, help="the job's run id (see the agent_start event; default with "
                     "--run-dir: the one launch derives from it)")
     ap.add_argument("--rdzv-conf", default="", help="etcd TLS/auth keys k=v,k=v, as for launch (ca_cert, cert, key, "
@@ -179,17 +180,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--durable-url", default=None, help="the durable tier's URL, whose copy of the records every "
                     "node finds (default with --run-dir: the run's snapshot.durable_url, else RUN_DIR/checkpoints)")
     args = ap.parse_args(argv)
-    from_run_dir = False   # the endpoint was the run dir's embedded etcd (gone with its job, maybe)
+    from_run_dir = False   # the endpoint is the run dir's embedded etcd, owned by a live agent
     if args.run_dir:
         from resilient.launch import default_run_id
 
-        shared = Path(args.run_dir) / "etcd.endpoint"
-        if not args.rdzv_endpoint and shared.exists():
-            args.rdzv_endpoint, from_run_dir = shared.read_text().strip(), True
         args.run_id = args.run_id or default_run_id(Path(args.run_dir))
     copies = run_copies(args.run_dir, args.durable_url if args.durable_url is not None else
                         durable_url_of(args.run_dir)) if args.run_dir or args.durable_url else []
-    if not args.run_id or not (args.rdzv_endpoint or copies):
+    if not args.run_id or not (args.rdzv_endpoint or args.run_dir or copies):
         ap.error("give --run-dir of the node (its records, its job.secret), or --rdzv-endpoint and --run-id "
                  "(and --durable-url to reach the copies every node finds)")
     if args.action == "clear" and not args.node:
@@ -200,6 +198,16 @@ def main(argv: list[str]) -> int:
     if args.node:
         check_name("NODE", args.node)
     secret = cli_secret(args)   # a clear is a newer record, sealed: it needs the secret too
+    if args.run_dir and not args.rdzv_endpoint:
+        from resilient.control.claim import read_owner
+
+        owner = read_owner(args.run_dir, secret)   # the live agent that runs the run dir's etcd, if any
+        if owner is not None:
+            args.rdzv_endpoint, from_run_dir = owner.endpoint, True
+        else:
+            print(f"resilient quarantine: no agent of run dir {args.run_dir} is running its embedded etcd; using "
+                  f"the copies in {', '.join(c.where for c in copies)}", file=sys.stderr)
+    args.embedded = from_run_dir
     client = None
     if args.rdzv_endpoint:
         try:
@@ -209,7 +217,7 @@ def main(argv: list[str]) -> int:
         except EtcdError as e:
             if not from_run_dir:
                 raise
-            # a stale endpoint file: the embedded etcd went with its job; the copies are what a relaunch reads
+            # its owner is going, with its etcd: the copies are what a relaunch reads
             print(f"resilient quarantine: etcd at {args.rdzv_endpoint} is not reachable ({e}); using the copies "
                   f"in {', '.join(c.where for c in copies)}", file=sys.stderr)
     with client if client is not None else contextlib.nullcontext():
@@ -263,9 +271,11 @@ def cli_secret(args: argparse.Namespace) -> JobSecret:
 def cli_client(args: argparse.Namespace, secret: JobSecret | None) -> EtcdClient:
     """An etcd client reaching the job's etcd as ``launch`` does (TLS, user and password), checked.
 
-    Without a user in ``--rdzv-conf``, an etcd that demands a login is taken for the embedded etcd
-    of ``resilient launch``: the client logs in as its root with the job secret's password (no other
-    etcd takes that password; a wrong or missing secret is a clear error)."""
+    ``args.embedded`` (the endpoint is a run dir's embedded etcd): with the client certificate and
+    login derived from the job secret (:func:`resilient.etcd.server.embedded_etcd_conf`). Else,
+    without a user in ``--rdzv-conf``, an etcd that demands a login or TLS is taken for the embedded
+    etcd of ``resilient launch`` (no other etcd trusts that certificate or takes that password; a
+    wrong or missing secret is a clear error)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from resilient.etcd.server import embedded_etcd_conf
@@ -286,10 +296,13 @@ def cli_client(args: argparse.Namespace, secret: JobSecret | None) -> EtcdClient
 
     if conf.get("username") or conf.get("user"):
         return connect(conf)
-    try:
-        return connect(conf)
-    except EtcdAuthError:
-        pass  # the embedded etcd: log in with the job secret
+    if not getattr(args, "embedded", False):
+        try:
+            return connect(conf)
+        except EtcdUnavailable:
+            raise
+        except EtcdError:
+            pass  # a login or a client certificate wanted: the embedded etcd, with the job secret's
     secret = secret if secret is not None else cli_secret(args)
     try:
         return connect({**conf, **embedded_etcd_conf(secret)})

@@ -6,6 +6,7 @@ liveness lease and the snapshot commit records use; ``EmbeddedEtcd``
 """
 
 from resilient.etcd.api import (
+    EtcdAuthDisabled,
     EtcdAuthError,
     EtcdError,
     EtcdFull,
@@ -20,6 +21,7 @@ from resilient.etcd.server import EmbeddedEtcd, find_etcd, free_port
 __all__ = [
     "CasResult",
     "EmbeddedEtcd",
+    "EtcdAuthDisabled",
     "EtcdAuthError",
     "EtcdClient",
     "EtcdError",

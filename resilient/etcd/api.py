@@ -21,6 +21,7 @@ __all__ = [
     "EtcdNotFound",
     "EtcdUnavailable",
     "EtcdAuthError",
+    "EtcdAuthDisabled",
     "EtcdLeaseExpired",
     "KeyValue",
     "INSTALL_HINT",
@@ -70,6 +71,25 @@ class EtcdUnavailable(EtcdError, ConnectionError):
 
 class EtcdAuthError(EtcdError, PermissionError):
     """etcd refused the credentials or the TLS client certificate."""
+
+
+class EtcdAuthDisabled(EtcdAuthError):
+    """An etcd this client logs in to answered that its authentication is not enabled.
+
+    Not an outage and not a wrong password: an etcd that had authentication on (the embedded
+    etcd of ``resilient launch`` turns it on before anyone is told its endpoint) does not turn
+    it off by itself. Someone did (an attacker through etcd 3.4/3.5's NOSPACE-alarm gap, or an
+    operator by hand), or the endpoint is another etcd than the job's: whatever is in it may
+    have been written by anyone, so the job stops rather than go on with it."""
+
+    def __init__(self, url: str, user: str | None) -> None:
+        super().__init__(
+            f"etcd at {url} says its authentication is not enabled, but this client logs in (as "
+            f"{user!r}): someone turned it off (an attack, e.g. through the NOSPACE-alarm gap of etcd "
+            "3.4/3.5, or an operator), or this endpoint is not the job's etcd. Do not trust what is in it: "
+            "stop the job, check who can reach this etcd (`etcdctl auth status`), and relaunch (an embedded "
+            "etcd of `resilient launch` requires the job's client certificate, which closes that gap)")
+        self.url, self.user = url, user
 
 
 class EtcdFull(EtcdError, OSError):

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 
 from resilient.etcd.api import (
+    EtcdAuthDisabled,
     EtcdAuthError,
     EtcdError,
     EtcdFull,
@@ -157,12 +158,9 @@ class EtcdClient:
             raise EtcdError("TLS client auth needs both a certificate and its key (cert= and key=)")
         if bool(username) != (password is not None):
             raise EtcdError("etcd authentication needs both a username and a password")
-        if cert and username:
-            raise EtcdError(
-                "etcd's v3 HTTP gateway rejects requests that carry both a client certificate "
-                "and a username/password token; authenticate with one of them (ca_cert to "
-                "verify the server works with either)"
-            )
+        # A client certificate together with a username/password works when the certificate has
+        # no common name (the embedded etcd's: resilient.etcd.pki); etcd's gateway refuses a
+        # request whose certificate names one ("CommonName ... will be ignored"): said at login.
         self.request_timeout = request_timeout
         self.retry_timeout = retry_timeout
         self._username = username
@@ -198,9 +196,12 @@ class EtcdClient:
                 raise
             except TransportError as exc:
                 text = (exc.detail_text or str(exc)).strip()
+                if "authentication is not enabled" in text:
+                    raise EtcdAuthDisabled(gw.base_url, self._username) from None
                 hint = (
-                    "etcd's HTTP gateway refuses a client certificate together with a "
-                    "username/password: use one or the other (ca_cert alone is fine)"
+                    "etcd's HTTP gateway refuses a client certificate with a common name (CN) "
+                    "together with a username/password: use a certificate without a CN, or one "
+                    "of the two (ca_cert alone is fine)"
                     if "CommonName" in text else
                     "check the username and password (`etcdctl user get NAME`) and that "
                     "auth is enabled on the cluster"
@@ -256,6 +257,8 @@ class EtcdClient:
                     reauthed = True
                     self._set_token(None)
                     continue
+                if self._username and "authentication is not enabled" in text:
+                    raise EtcdAuthDisabled(gw.base_url, self._username) from None
                 if "database space exceeded" in text:
                     raise EtcdFull(what, gw.base_url) from None
                 if "lease not found" in text:

@@ -36,7 +36,10 @@ secret can neither write nor delete nor read a key. It stays on across restarts
 let an anonymous client raise a NOSPACE alarm, and while it is raised they skip the
 permission checks of writes, deletes and ``auth disable`` (etcd-io/etcd#22386; etcd
 3.6 checks them). Against a local user who knows that, only a client socket other
-users cannot open closes the door.
+users cannot open closes the door: so the embedded etcd of ``resilient launch`` also
+requires a client certificate (``tls``: :mod:`resilient.etcd.pki`, derived from the job
+secret), and a process without the secret is refused in the TLS handshake, before any
+request, alarm or lease call of its is read. Its peer port (raft) requires one too.
 """
 
 from __future__ import annotations
@@ -62,10 +65,11 @@ import requests
 
 from resilient.etcd.api import EtcdAuthError, EtcdError, EtcdNotFound
 from resilient.etcd.client import EtcdClient
+from resilient.etcd.pki import TlsFiles, derive_tls
 from resilient.procs import OWNER, owner_record, reclaim_dirs
 
 __all__ = ["EmbeddedEtcd", "find_etcd", "bundled_etcd", "free_port", "ETCD_BIN_ENV", "ROOT_USER",
-           "embedded_etcd_conf"]
+           "embedded_etcd_conf", "embedded_tls"]
 
 _LIVE: "weakref.WeakSet[EmbeddedEtcd]" = weakref.WeakSet()
 log = logging.getLogger(__name__)
@@ -88,11 +92,36 @@ ETCD_BIN_ENV = "RESILIENT_ETCD_BIN"
 ROOT_USER = "root"  # etcd's superuser: the one user of an embedded etcd with authentication
 
 
-def embedded_etcd_conf(secret) -> dict[str, str]:
+TLS_PURPOSE = "etcd-tls"   # the job secret's key from which the embedded etcd's CA and certificates derive
+_TLS: dict[tuple[str, str | None, bool], TlsFiles] = {}
+_TLS_LOCK = threading.Lock()
+
+
+def embedded_tls(secret, where: str | os.PathLike | None = None, server: bool = False,
+                 hosts: tuple[str, ...] = ()) -> TlsFiles:
+    """The embedded etcd's TLS files for a holder of the job ``secret`` (a
+    :class:`~resilient.secret.JobSecret`): derived from it (:mod:`resilient.etcd.pki`) into
+    ``where`` (a private dir: ``RUN_DIR/control/tls-<fingerprint>`` for a launch). ``where`` None: the files
+    this process derived already for this secret, wherever they are, else a new private temp
+    dir (a tool). ``server``: also the server's certificate and key (an etcd's owner)."""
+    with _TLS_LOCK:
+        if where is None and not server:
+            for (fp, _, _), files in _TLS.items():
+                if fp == secret.fingerprint:
+                    return files
+        key = (secret.fingerprint, None if where is None else str(where), server)
+        if key not in _TLS:
+            _TLS[key] = derive_tls(secret.key(TLS_PURPOSE), where, hosts=hosts, server=server)
+        return _TLS[key]
+
+
+def embedded_etcd_conf(secret, tls_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """The ``--rdzv-conf`` keys with which a holder of the job secret (a
-    :class:`~resilient.secret.JobSecret`) logs in to the embedded etcd of ``resilient launch``.
+    :class:`~resilient.secret.JobSecret`) reaches the embedded etcd of ``resilient launch``: its
+    client certificate (files in ``tls_dir``, see :func:`embedded_tls`) and the root login.
     The password stays in this process (and, for workers, in their environment): never in argv."""
-    return {"username": ROOT_USER, "password": secret.etcd_password}
+    return {"username": ROOT_USER, "password": secret.etcd_password,
+            **embedded_tls(secret, tls_dir).client_conf()}
 
 
 def find_etcd(binary: str | os.PathLike[str] | None = None) -> str:
@@ -184,6 +213,10 @@ class EmbeddedEtcd:
     server certificate then also needs the clientAuth usage: it is what the
     health probe presents).
 
+    ``tls`` (:class:`~resilient.etcd.pki.TlsFiles`, what ``resilient launch`` gives): all of
+    that from one set of files, the peer port too (https, client certificates required),
+    and :meth:`client` presents the client certificate.
+
     ``root_password``: turn etcd's authentication on at the first start (user
     ``root``, role ``root``); :meth:`client` then logs in as root unless told
     otherwise (``client(username=None, password=None)``: an anonymous client).
@@ -202,11 +235,16 @@ class EmbeddedEtcd:
         key_file: str | os.PathLike[str] | None = None,
         client_ca_file: str | os.PathLike[str] | None = None,
         root_password: str | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.binary = find_etcd(binary)
-        if root_password is not None and (cert_file or len(root_password) < 16):
-            raise EtcdError("EmbeddedEtcd root_password: give at least 16 characters, and no TLS with it "
-                            "(this server's auth is for the loopback embedded etcd of resilient launch)")
+        if root_password is not None and len(root_password) < 16:
+            raise EtcdError("EmbeddedEtcd root_password: give at least 16 characters")
+        if tls is not None:
+            if cert_file or key_file or client_ca_file:
+                raise EtcdError("EmbeddedEtcd: give tls, or cert_file/key_file/client_ca_file, not both")
+            cert_file, key_file, client_ca_file = tls.server_cert, tls.server_key, tls.ca
+        self.tls = tls
         self.root_password = root_password
         self._secured = False  # authentication is on (and checked) in the data dir
         self.host = host
@@ -265,6 +303,10 @@ class EmbeddedEtcd:
         if self.root_password is not None:
             kwargs.setdefault("username", ROOT_USER)
             kwargs.setdefault("password", self.root_password)
+        if self.tls is not None:
+            kwargs.setdefault("ca_cert", str(self.tls.ca))
+            kwargs.setdefault("cert", str(self.tls.client_cert))
+            kwargs.setdefault("key", str(self.tls.client_key))
         return EtcdClient(self.client_url, **kwargs)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ lifecycle
@@ -296,7 +338,7 @@ class EmbeddedEtcd:
 
     def _spawn(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        peer = f"http://{self.host}:{self.peer_port}"
+        peer = f"{'https' if self.tls is not None else 'http'}://{self.host}:{self.peer_port}"
         cmd = [
             self.binary,
             f"--name={self.name}",
@@ -336,6 +378,9 @@ class EmbeddedEtcd:
         args = [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}"]
         if self.client_ca_file:
             args += [f"--trusted-ca-file={self.client_ca_file}", "--client-cert-auth"]
+        if self.tls is not None:   # raft's port too: anyone on the host could otherwise talk to it
+            args += [f"--peer-cert-file={self.cert_file}", f"--peer-key-file={self.key_file}",
+                     f"--peer-trusted-ca-file={self.client_ca_file}", "--peer-client-cert-auth"]
         return args
 
     def _log_tail(self, n: int = 2000) -> str:
@@ -384,7 +429,7 @@ class EmbeddedEtcd:
         changed root's password or written a key. A server with another user, or a fresh one
         with any key, is refused (:class:`EtcdAuthError`); a wrong password fails the login."""
         budget = dict(retry_timeout=self.start_timeout)
-        with EtcdClient(self.client_url, **budget) as anon:
+        with self.client(username=None, password=None, **budget) as anon:
             try:
                 anon._post("/auth/user/add", {"name": ROOT_USER, "password": self.root_password}, "add user root")
                 anon._post("/auth/user/grant", {"user": ROOT_USER, "role": "root"}, "grant root the root role")

@@ -17,7 +17,7 @@ Two sources, either or both:
   :class:`resilient.agent.quarantine.Quarantine`) with the job secret, reached
   as ``resilient quarantine`` reaches it (TLS/auth keys, the embedded etcd's
   login). A record that fails authentication is left out, never shown. A run
-  dir whose job is running with its embedded etcd (``RUN_DIR/etcd.endpoint``)
+  dir whose job is running with its embedded etcd (``RUN_DIR/control/etcd.json``)
   is read from etcd too, with no option.
 
 The view refreshes like ``top`` until Ctrl-C; ``--once`` prints it once (for
@@ -153,7 +153,7 @@ def from_events(events: list[dict], now: float) -> dict:
 
 # ---------------------------------------------------------------- facts from etcd
 def from_etcd(endpoint: str, run_id: str, rdzv_conf: str = "", secret_file: str | None = None,
-              run_dir: str | None = None) -> dict:
+              run_dir: str | None = None, embedded: bool = False) -> dict:
     """The node registry, the newest commit per memory tier and the quarantine, from the job's
     etcd, every record authenticated with the job secret. Errors (etcd gone: the job ended)
     come back as ``{"error": ...}``: a status view must not die with the job it watches."""
@@ -162,7 +162,7 @@ def from_etcd(endpoint: str, run_id: str, rdzv_conf: str = "", secret_file: str 
     from resilient.snapshot.memcommit import read_commits
 
     args = argparse.Namespace(rdzv_endpoint=endpoint, run_id=run_id, secret_file=secret_file, run_dir=run_dir,
-                              rdzv_conf=rdzv_conf or "retry_timeout=2")
+                              rdzv_conf=rdzv_conf or "retry_timeout=2", embedded=embedded)
     try:
         secret = cli_secret(args)
         with cli_client(args, secret) as client:
@@ -296,10 +296,12 @@ def _etcd_target(args: argparse.Namespace, st: dict) -> tuple[str, str] | None:
         if not run_id:
             raise ConfigError("--rdzv-endpoint needs --run-id (the agent_start event of the job names it)")
         return args.rdzv_endpoint, run_id
-    shared = Path(args.run_dir) / "etcd.endpoint"
-    if run_id and shared.exists() and st.get("state") == "running":
-        return shared.read_text().strip(), run_id
-    return None
+    from resilient.control.claim import peek_owner
+
+    # Not authenticated here: the client's TLS is (only a holder of the job secret serves a
+    # certificate under the CA derived from it), and every record read is (MACs).
+    owner = peek_owner(args.run_dir) if run_id and st.get("state") == "running" else None
+    return (owner.endpoint, run_id) if owner is not None else None
 
 
 def main(argv: list[str]) -> int:
@@ -313,7 +315,8 @@ def main(argv: list[str]) -> int:
             target = _etcd_target(args, st)
             etcd = None
             if target is not None:
-                etcd = from_etcd(*target, rdzv_conf=args.rdzv_conf, secret_file=args.secret_file, run_dir=args.run_dir)
+                etcd = from_etcd(*target, rdzv_conf=args.rdzv_conf, secret_file=args.secret_file, run_dir=args.run_dir,
+                                 embedded=not args.rdzv_endpoint)
                 if tail is not None:
                     st = collect(tail)  # again: the events then are at least as new as etcd's records
             st = merge_etcd(st, etcd)

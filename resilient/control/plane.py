@@ -1,0 +1,117 @@
+"""The embedded control plane of ``resilient launch``: one etcd per run dir, owned by one agent.
+
+Without ``--rdzv-endpoint``, the agents of a run dir share an etcd that one of them runs:
+the one whose claim on the run dir succeeds (:mod:`resilient.control.claim`: atomic, crash
+safe, every agent ends on the same endpoint whatever its timing). The owner's etcd is:
+
+- private: it requires a client certificate signed by a CA derived from the job secret
+  (:mod:`resilient.etcd.pki`), on its client and its peer port, and a login as ``root`` with
+  a password derived from the secret. A local user without the secret is refused in the TLS
+  handshake: none of its requests (the NOSPACE alarm of etcd 3.4/3.5's auth gap, an
+  anonymous lease grant or keep-alive) is read. The files are derived on each node from
+  the secret into ``RUN_DIR/control/tls-<fingerprint>`` (0700, files 0600): nothing to distribute.
+- watched: restarted on the same ports and data when it dies, so the clients ride through.
+- kept up, at the end, for what the caller's ``before_stop`` does with it (``resilient
+  launch``: wait for the other agents of the run to leave, so that their last calls
+  succeed at once instead of retrying against a dead etcd).
+
+The embedded etcd lives in its owner's process tree: losing that agent ends the job for
+everyone (the README says so; an external etcd cluster through ``--rdzv-endpoint`` has no
+such node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterator
+
+from resilient.control.api import ClaimSettings
+from resilient.control.claim import RunDirClaim, control_dir
+from resilient.errors import LaunchError
+
+__all__ = ["embedded_etcd", "client_kwargs", "JOIN_CHECK"]
+# How long a joining agent waits for the owner's etcd to answer its first request: the
+# owner published only once its etcd answered, so this covers a restart by its watch.
+JOIN_CHECK = timedelta(seconds=30)
+TLS_DIR = "tls"
+
+
+def _say(line: str) -> None:
+    print(f"resilient: {line}", file=sys.stderr, flush=True)
+
+
+def client_kwargs(conf: dict[str, str]) -> dict[str, str]:
+    """The :class:`~resilient.etcd.EtcdClient` arguments of an embedded etcd's ``--rdzv-conf`` keys."""
+    return {k: conf[k] for k in ("ca_cert", "cert", "key", "username", "password") if k in conf}
+
+
+@contextlib.contextmanager
+def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
+                  before_stop: Callable[[object], None] | None = None,
+                  settings: ClaimSettings = ClaimSettings()) -> Iterator[str]:
+    """The endpoint of ``run_dir``'s embedded etcd: this agent's own if its claim wins (then it
+    runs for the life of the ``with``, and ``before_stop(etcd)`` runs at its end, the etcd still
+    up), else the owner's. ``standalone``: always our own, shared with nobody (no claim)."""
+    from resilient.etcd import EtcdAuthError, EtcdClient, EtcdError
+    from resilient.etcd.server import embedded_etcd_conf
+
+    # One dir per secret: an agent launched with another secret must not overwrite the files
+    # the owner's etcd and workers read (it is refused below, but only after deriving its own).
+    tls_dir = control_dir(run_dir) / f"{TLS_DIR}-{secret.fingerprint}"
+    conf = embedded_etcd_conf(secret, tls_dir)   # the CA and our client certificate, derived
+    if standalone:
+        with _own_etcd(secret, tls_dir) as etcd:
+            yield etcd.endpoint
+        return
+    claim = RunDirClaim(run_dir, secret, settings, _say)
+    owner = claim.join()
+    if owner is not None:
+        try:
+            with EtcdClient(owner.endpoint, retry_timeout=JOIN_CHECK, **client_kwargs(conf)) as c:
+                c.check(JOIN_CHECK)   # logs in first: the certificate and the password are checked here
+        except EtcdAuthError as e:
+            raise LaunchError(
+                f"the embedded etcd at {owner.endpoint} (agent pid {owner.pid}, {claim.record_path}) refused this "
+                f"node: this node has another job secret (fingerprint {secret.fingerprint}) than the agent that "
+                f"started it. Give every node of the job the same secret (by default the run dir's "
+                f"{Path(run_dir) / 'job.secret'}). ({e})") from None
+        except EtcdError as e:
+            raise LaunchError(
+                f"the embedded etcd at {owner.endpoint}, owned by agent pid {owner.pid}, does not answer ({e}). "
+                f"That agent is alive: check it (`ps -o pid,stat,args -p {owner.pid}`); if it is stuck, stop it "
+                f"and launch every node of the run again") from None
+        _say(f"joined the embedded etcd at {owner.endpoint} of agent pid {owner.pid} (run dir {run_dir})")
+        yield owner.endpoint
+        return
+    try:
+        with _own_etcd(secret, tls_dir) as etcd:
+            claim.publish(etcd.endpoint)
+            _say(f"embedded etcd at {etcd.endpoint}, with client TLS and authentication from the job secret (other "
+                 "agents on this machine: the same --run-dir, started in any order). It lives in this agent: "
+                 "losing this node ends the job for every node (an etcd cluster through --rdzv-endpoint has no "
+                 "such node)")
+            try:
+                yield etcd.endpoint
+            finally:
+                if before_stop is not None:
+                    before_stop(etcd)
+    finally:
+        claim.release()
+
+
+@contextlib.contextmanager
+def _own_etcd(secret, tls_dir: Path):
+    from resilient.etcd import EmbeddedEtcd
+    from resilient.etcd.server import embedded_tls
+
+    tls = embedded_tls(secret, tls_dir, server=True)
+    with EmbeddedEtcd(root_password=secret.etcd_password, tls=tls) as etcd:
+        def restarted(code: int | None, seconds: float) -> None:
+            _say(f"the embedded etcd at {etcd.endpoint} died (exit code {code}); restarted it on the same ports "
+                 f"and data in {seconds:.1f} s, the job goes on")
+
+        etcd.watch(on_restart=restarted)
+        yield etcd
