@@ -203,3 +203,7 @@ def test_an_external_etcd_down_past_the_outage_bound_stops_the_node_after_a_fina
     assert f"the newest durable version is step {final}" in said and "Relaunch the same command" in said, said
     assert not events(run, "preemption"), "our own stop was reported as a preemption"
     assert [e["reason"] for e in events(run, "agent_stop")] == ["etcd_outage"]
+    # the workers say so too: saved as for a preemption, which it was not (issue 38.4)
+    assert "preempted after step" not in out and "stopped by its agent (etcd_outage) after step" in out, out[-3000:]
+    ends = events(run, "run_end")
+    assert ends and all(e.get("stopped") == "etcd_outage" and not e["preempted"] for e in ends), ends

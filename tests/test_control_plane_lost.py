@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from launchutil import REPO, Agent, events, wait_for
+from resilient.control.claim import peek_owner
 from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import reclaim
 
@@ -25,10 +26,9 @@ def memory_commits(run) -> list[int]:
 
 
 def endpoint_of(run) -> str:
-    try:
-        return (run / "etcd.endpoint").read_text()
-    except OSError:
-        return ""
+    """The endpoint in the run dir's control-plane claim while its owner lives (else "")."""
+    owner = peek_owner(run)
+    return owner.endpoint if owner else ""
 
 
 def test_losing_the_agent_that_owns_the_etcd_keeps_what_was_committed(tmp_path):
