@@ -21,6 +21,8 @@ requests) and fires them at the points of a step where a flip means something.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,8 +31,11 @@ from torch import nn
 
 from resilient.events import EventLog
 from resilient.sdc.api import Action, Decision, SdcConfig, SdcError
-from resilient.sdc.inject import HOOKED, MODULE_TARGETS, BitFlipInjector, FlipSpec
+from resilient.sdc.inject import HOOKED, MODULE_TARGETS, BitFlipInjector, FlipSpec, StrikeRecord
 from resilient.sdc.monitor import SdcMonitor
+
+
+STRIKES_DIR = "sdc-strikes"   # under the run dir: which transient flips struck (StrikeRecord)
 
 
 def fsdp_units(modules: Sequence[nn.Module]) -> list[nn.Module]:
@@ -84,7 +89,8 @@ class SdcGuard:
 
     def __init__(self, cfg: SdcConfig, modules: Sequence[nn.Module], optimizers: Sequence[Any], *,
                  events: EventLog, device: torch.device, rank: int, world: int, node: str = "",
-                 local_rank: int = 0, watch_fsdp: bool | None = None, post_scale: float = 1.0):
+                 local_rank: int = 0, watch_fsdp: bool | None = None, post_scale: float = 1.0,
+                 run_dir: str | os.PathLike | None = None):
         self.cfg, self.events, self.rank = cfg, events, rank
         self.modules = list(modules)
         self.fsdp = fsdp_units(self.modules)
@@ -98,10 +104,12 @@ class SdcGuard:
                 self.monitor.watch_optimizer(opt)   # Adam state at rest: hashed after a step, verified before the next
             self.coverage = self._watch(world, watch_fsdp, post_scale)
             self.monitor.watch_compute(self.modules)   # Linear GEMM checksums, block output ranges
-        self.flips = [BitFlipInjector(FlipSpec.from_dict(dict(d)), rank,
-                                      log=lambda rec: events.emit("fault_injected", **rec),
-                                      node=node, local_rank=local_rank)
-                      for d in cfg.inject]
+        specs = [FlipSpec.from_dict(dict(d)) for d in cfg.inject]
+        # a transient flip strikes once per run, across worker restarts: noted in the run dir
+        self.flips = [BitFlipInjector(spec, rank, log=lambda rec: events.emit("fault_injected", **rec),
+                                      node=node, local_rank=local_rank,
+                                      record=StrikeRecord(Path(run_dir) / STRIKES_DIR, i, spec) if run_dir else None)
+                      for i, spec in enumerate(specs)]
         for flip in self.flips:   # forward/backward flips fire from hooks on the module or parameter they name
             flip.validate(self.modules, world)
             if flip.spec.target in HOOKED and flip.here():

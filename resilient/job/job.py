@@ -226,7 +226,7 @@ class Job:
         self.guard = SdcGuard(self.config.sdc, self.modules, optimizers, events=self.events, device=self.device,
                               rank=self.rank, world=self.world_size, node=self.node or "",
                               local_rank=int(os.environ.get("LOCAL_RANK", "0")), watch_fsdp=watch_fsdp,
-                              post_scale=post_scale)
+                              post_scale=post_scale, run_dir=self.run_dir)
         mark("sdc")
         self.heartbeat = HeartbeatWriter.from_env()
         self.step = 0              # completed steps; the next one to run is self.step
