@@ -31,6 +31,7 @@ from torch import nn
 
 from resilient.events import EventLog
 from resilient.sdc.api import Action, Decision, SdcConfig, SdcError
+from resilient.sdc.crosscheck import CrossCheck
 from resilient.sdc.inject import HOOKED, MODULE_TARGETS, BitFlipInjector, FlipSpec, StrikeRecord
 from resilient.sdc.monitor import SdcMonitor
 
@@ -104,6 +105,9 @@ class SdcGuard:
                 self.monitor.watch_optimizer(opt)   # Adam state at rest: hashed after a step, verified before the next
             self.coverage = self._watch(world, watch_fsdp, post_scale)
             self.monitor.watch_compute(self.modules)   # Linear GEMM checksums, block output ranges
+        # sampled cross-device replay: each rank's forward recomputed by its neighbour (crosscheck.py)
+        self.cross = CrossCheck(cfg.cross_check_budget, cfg.cross_check_max_period, rank, world) \
+            if cfg.enable and world > 1 else None
         specs = [FlipSpec.from_dict(dict(d)) for d in cfg.inject]
         # a transient flip strikes once per run, across worker restarts: noted in the run dir
         self.flips = [BitFlipInjector(spec, rank, log=lambda rec: events.emit("fault_injected", **rec),
@@ -154,6 +158,21 @@ class SdcGuard:
         self.inject(step, "param", "optim_state")
         for flip in self.flips:
             flip.current_step = step + 1  # activation flips fire inside forward
+        if self.cross is not None and self.cross.due(step + 1):
+            self.cross.note_rng()   # the RNG state the sampled step's forward starts from
+
+    def cross_check(self, step: int, loss, batch, recompute, step_seconds: float) -> None:
+        """The sampled cross-device replay of ``step`` (collective on sampled steps; a no-op on
+        the others, decided from the step number on every rank alike). Its suspicions join
+        the monitor's next agreement (``after_backward``)."""
+        if self.cross is None or self.monitor is None or not self.cross.due(step):
+            return
+        sus = self.cross.run(step, loss, batch, recompute, step_seconds)
+        self.settle()   # a forward without backward leaves FSDP2's root parameters gathered
+        if sus:
+            self.monitor.report(sus)
+        else:
+            self.monitor.cross_clean_step = step   # a rollback for a fault this check finds goes no later
 
     # ------------------------------------------------------------- checks
     def after_backward(self, step: int, loss, replay: Callable[[], Any] | None):
