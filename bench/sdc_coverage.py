@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SITES = {   # name -> (FlipSpec target, tensor)
-    "Linear forward": ("activation", "layers.0.attention.wq"),
+    "Linear forward": ("activation", "layers.1.feed_forward.w2"),   # (attention.wq: a fused qkv GEMM, not called as a module)
     "grad-input": ("activation_grad", "layers.1.feed_forward.w2"),
     "grad-weight": ("weight_grad", "layers.1.feed_forward.w1.weight"),
     "attention": ("activation", "layers.1.attention"),
@@ -57,10 +57,11 @@ def _trial(rank, world, site, bit, persistent, seed):
     # every site holds at least 4096 elements on each rank (outputs [4, 32, 64], w1's weight)
     spec = FlipSpec(target=target, tensor=tensor, bit=bit, rank=1 if site else world, step=1, persistent=persistent,
                     element=random.Random(seed).randrange(4096))
+    # the checks first, the flip after: its hook is prepended, so it strikes before they look (as SdcGuard does)
+    gemms = attach_abft(list(model.named_modules()), 2.0, set())
     inj = BitFlipInjector(spec, rank)   # site None: a clean trial (the flip names no rank of the job)
     if inj.here():
         inj.attach(model)
-    gemms = attach_abft(list(model.named_modules()), 2.0, set())
     gemms.arm(True)
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     x = torch.randint(0, 256, (4, 33), generator=gen)

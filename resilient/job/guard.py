@@ -22,6 +22,7 @@ requests) and fires them at the points of a step where a flip means something.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -167,8 +168,12 @@ class SdcGuard:
         the monitor's next agreement (``after_backward``)."""
         if self.cross is None or self.monitor is None or not self.cross.due(step):
             return
+        t0 = time.perf_counter()
         sus = self.cross.run(step, loss, batch, recompute, step_seconds)
         self.settle()   # a forward without backward leaves FSDP2's root parameters gathered
+        if self.rank == 0:
+            self.events.emit("sdc_cross_check", step=step, seconds=round(time.perf_counter() - t0, 4),
+                             period=self.cross.period, mismatches=len(sus))
         if sus:
             self.monitor.report(sus)
         else:

@@ -131,16 +131,20 @@ class CrossCheck:
     spent_s: float = 0.0
     _rng: torch.Tensor | None = None
 
+    next_step: int = 0   # the next sampled step: the last one + the period then in force
+
     def __post_init__(self) -> None:
         self.period = period_for(FORWARD_SHARE, self.budget, self.max_period)
+        self.next_step = self.period
 
     @property
     def active(self) -> bool:
         return self.world > 1 and self.budget > 0 and self.max_period > 0
 
     def due(self, step: int) -> bool:
-        """Is ``step`` (1-based: the step being run) a sampled one? Same on every rank."""
-        return self.active and step % self.period == 0
+        """Is ``step`` (1-based: the step being run) a sampled one? Same on every rank: the
+        period is agreed in the exchange, and a rollback's repeated steps wait for the next."""
+        return self.active and step >= self.next_step
 
     def note_rng(self) -> None:
         """Before a sampled step's forward: the RNG state its dropout (if any) will start from."""
@@ -185,6 +189,7 @@ class CrossCheck:
         self.spent_s += time.perf_counter() - t0
         # the largest measured share over ranks: every rank computes the same next period
         self.period = period_for(max(r[2] for r in table) / 1e6, self.budget, self.max_period)
+        self.next_step = step + self.period
         self._rng = None
         sus = attribute(self.world, original, firsts, second)
         for s in sus:
