@@ -155,6 +155,18 @@ class ParallelModel:
             self.schedule.step(*args, target=target, losses=losses)
             return torch.stack(losses).mean().detach() if self.has_last_stage else None
 
+    @torch.no_grad()
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss :meth:`forward_backward` computes on this batch, without gradients: the
+        same micro-batches in the same order, the same arithmetic (the SDC cross-device
+        replay compares it bit for bit). Not for pipeline schedules."""
+        model, n = self.parts[0], self.n_microbatches
+        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        with self.autocast():
+            for x, y in zip(inputs.chunk(n), targets.chunk(n)):
+                total += cross_entropy(model(x), y).detach() / n
+        return total
+
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         model, n = self.parts[0], self.n_microbatches
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)

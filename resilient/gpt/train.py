@@ -161,7 +161,11 @@ class Trainer:
         local_loss = self.model.forward_backward(inputs, targets)
         # The checks run after backward, before clipping (which would rescale what the linear
         # check compares); a suspect step is recomputed on the same batch.
-        if not self.job.verify(local_loss, replay=lambda: self.model.forward_backward(inputs, targets)):
+        # Sampled steps are also recomputed on a neighbour's device: data parallel only (a
+        # pipeline stage's or a tensor-parallel shard's forward is not one rank's loss)
+        cross = {} if self.model.schedule is not None or self.layout.tp > 1 else {"batch": (inputs, targets),
+                                                            "recompute": self.model.forward_loss}
+        if not self.job.verify(local_loss, replay=lambda: self.model.forward_backward(inputs, targets), **cross):
             return None
         norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip, self.layout.dp * self.layout.tp)
         self.optimizer.step()

@@ -21,6 +21,9 @@ requests) and fires them at the points of a step where a flip means something.
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,8 +32,12 @@ from torch import nn
 
 from resilient.events import EventLog
 from resilient.sdc.api import Action, Decision, SdcConfig, SdcError
-from resilient.sdc.inject import HOOKED, MODULE_TARGETS, BitFlipInjector, FlipSpec
+from resilient.sdc.crosscheck import CrossCheck
+from resilient.sdc.inject import HOOKED, MODULE_TARGETS, BitFlipInjector, FlipSpec, StrikeRecord
 from resilient.sdc.monitor import SdcMonitor
+
+
+STRIKES_DIR = "sdc-strikes"   # under the run dir: which transient flips struck (StrikeRecord)
 
 
 def fsdp_units(modules: Sequence[nn.Module]) -> list[nn.Module]:
@@ -84,7 +91,8 @@ class SdcGuard:
 
     def __init__(self, cfg: SdcConfig, modules: Sequence[nn.Module], optimizers: Sequence[Any], *,
                  events: EventLog, device: torch.device, rank: int, world: int, node: str = "",
-                 local_rank: int = 0, watch_fsdp: bool | None = None, post_scale: float = 1.0):
+                 local_rank: int = 0, watch_fsdp: bool | None = None, post_scale: float = 1.0,
+                 run_dir: str | os.PathLike | None = None):
         self.cfg, self.events, self.rank = cfg, events, rank
         self.modules = list(modules)
         self.fsdp = fsdp_units(self.modules)
@@ -98,10 +106,15 @@ class SdcGuard:
                 self.monitor.watch_optimizer(opt)   # Adam state at rest: hashed after a step, verified before the next
             self.coverage = self._watch(world, watch_fsdp, post_scale)
             self.monitor.watch_compute(self.modules)   # Linear GEMM checksums, block output ranges
-        self.flips = [BitFlipInjector(FlipSpec.from_dict(dict(d)), rank,
-                                      log=lambda rec: events.emit("fault_injected", **rec),
-                                      node=node, local_rank=local_rank)
-                      for d in cfg.inject]
+        # sampled cross-device replay: each rank's forward recomputed by its neighbour (crosscheck.py)
+        self.cross = CrossCheck(cfg.cross_check_budget, cfg.cross_check_max_period, rank, world) \
+            if cfg.enable and world > 1 else None
+        specs = [FlipSpec.from_dict(dict(d)) for d in cfg.inject]
+        # a transient flip strikes once per run, across worker restarts: noted in the run dir
+        self.flips = [BitFlipInjector(spec, rank, log=lambda rec: events.emit("fault_injected", **rec),
+                                      node=node, local_rank=local_rank,
+                                      record=StrikeRecord(Path(run_dir) / STRIKES_DIR, i, spec) if run_dir else None)
+                      for i, spec in enumerate(specs)]
         for flip in self.flips:   # forward/backward flips fire from hooks on the module or parameter they name
             flip.validate(self.modules, world)
             if flip.spec.target in HOOKED and flip.here():
@@ -146,6 +159,25 @@ class SdcGuard:
         self.inject(step, "param", "optim_state")
         for flip in self.flips:
             flip.current_step = step + 1  # activation flips fire inside forward
+        if self.cross is not None and self.cross.due(step + 1):
+            self.cross.note_rng()   # the RNG state the sampled step's forward starts from
+
+    def cross_check(self, step: int, loss, batch, recompute, step_seconds: float) -> None:
+        """The sampled cross-device replay of ``step`` (collective on sampled steps; a no-op on
+        the others, decided from the step number on every rank alike). Its suspicions join
+        the monitor's next agreement (``after_backward``)."""
+        if self.cross is None or self.monitor is None or not self.cross.due(step):
+            return
+        t0 = time.perf_counter()
+        sus = self.cross.run(step, loss, batch, recompute, step_seconds)
+        self.settle()   # a forward without backward leaves FSDP2's root parameters gathered
+        if self.rank == 0:
+            self.events.emit("sdc_cross_check", step=step, seconds=round(time.perf_counter() - t0, 4),
+                             period=self.cross.period, mismatches=len(sus))
+        if sus:
+            self.monitor.report(sus)
+        else:
+            self.monitor.cross_clean_step = step   # a rollback for a fault this check finds goes no later
 
     # ------------------------------------------------------------- checks
     def after_backward(self, step: int, loss, replay: Callable[[], Any] | None):

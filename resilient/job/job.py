@@ -41,7 +41,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -226,7 +226,7 @@ class Job:
         self.guard = SdcGuard(self.config.sdc, self.modules, optimizers, events=self.events, device=self.device,
                               rank=self.rank, world=self.world_size, node=self.node or "",
                               local_rank=int(os.environ.get("LOCAL_RANK", "0")), watch_fsdp=watch_fsdp,
-                              post_scale=post_scale)
+                              post_scale=post_scale, run_dir=self.run_dir)
         mark("sdc")
         self.heartbeat = HeartbeatWriter.from_env()
         self.step = 0              # completed steps; the next one to run is self.step
@@ -243,6 +243,7 @@ class Job:
         self._finished = False
         self._rolled_back = False
         self._t_step = time.perf_counter()
+        self._last_step_seconds = 0.0   # the last completed step's time: the cross-check's budget is a share of it
         self.progress = ProgressLine(0, every=log_every) if progress and self.rank == 0 else None
         self._install_sigterm()
         # Ranks agree on a preemption's last step over gloo (a CPU tensor whatever the device
@@ -422,15 +423,19 @@ class Job:
         return self.failslow.phase(name)
 
     def _run_start(self, total: int) -> None:
+        cross = self.guard.cross.describe() if self.guard.cross is not None else None
         self.events.emit("run_start", layout=self.layout, start_step=self.step, total_steps=total,
                          device=str(self.device), startup=self.startup, tiers=self.tiers(),
-                         sdc=self.guard.coverage, **self.describe)
+                         sdc=self.guard.coverage, **({"sdc_cross_check": cross} if cross else {}), **self.describe)
+        if cross and self.rank == 0 and self.progress:
+            print(f"resilient: sdc {cross}", file=sys.stderr, flush=True)
 
     def tiers(self) -> list[str]:
         """The tiers this job writes: ``memory`` (node RAM, peers) and/or ``durable``."""
         return [t for t, w in (("memory", self.keeper.memory), ("durable", self.keeper.durable)) if w is not None]
 
-    def verify(self, loss: Any = None, replay: Callable[[], Any] | None = None) -> bool:
+    def verify(self, loss: Any = None, replay: Callable[[], Any] | None = None, *,
+               batch: Sequence[torch.Tensor] | None = None, recompute: Callable[..., Any] | None = None) -> bool:
         """After backward, before the optimizer step: the SDC checks of this step's gradients.
 
         ``replay()`` recomputes the step's forward and backward (same batch) and returns its
@@ -439,7 +444,16 @@ class Job:
         the checks rolled the state back to the last verified version: skip the optimizer
         step (``continue``); the loop resumes from the restored step. A confirmed bad device
         on this rank ends the process with the exit code that makes its agent quarantine
-        the node. Also records ``loss`` for the step event."""
+        the node. Also records ``loss`` for the step event.
+
+        ``batch`` (this step's input tensors, the same shapes on every rank) and
+        ``recompute(*batch)`` (the loss of a batch, as the training forward computes it,
+        run without gradients) enable the sampled cross-device replay
+        (:mod:`resilient.sdc.crosscheck`): on a sampled step every rank recomputes its
+        neighbour's loss and the answers are compared bitwise."""
+        if batch is not None and recompute is not None:
+            self.guard.cross_check(self.step + 1, loss, batch, recompute, self._last_step_seconds
+                                   or time.perf_counter() - self._t_step)
         loss, decision = self.guard.after_backward(self.step + 1, loss, replay)
         self.last_local_loss = loss   # replayed or not: the one this step's gradients came from
         self.record(loss=loss)
@@ -467,7 +481,7 @@ class Job:
             self.keeper.keep_verified(self.guard.last_verified)
         self.step = step
         self.heartbeat.beat()
-        seconds = time.perf_counter() - self._t_step
+        seconds = self._last_step_seconds = time.perf_counter() - self._t_step
         loss = self.loss
         if self.guard.monitor is not None and self.guard.monitor.loss_mean is not None:
             loss = self.guard.monitor.loss_mean   # the checks' exchange already averaged it over ranks

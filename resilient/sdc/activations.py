@@ -10,10 +10,12 @@ largest magnitude does not: it jumps by that power of two.
 Per watched module and step, one number: ``amax``, the largest magnitude of
 the module's output (``‖·‖∞``, which propagates NaN, so a non-finite element
 shows as a non-finite amax). A non-finite amax is a ``nonfinite`` suspicion;
-``log(amax)`` beyond median + k·MAD of the module's own recent window
+``log(amax)`` beyond median ± k·MAD of the module's own recent window
 (:class:`~.checksums.RobustSpike`, as the gradient spike check, with the same
-0.1 floor on the spread of a log-scale series) is an ``activation_spike``. Both
-are handled by replay: a different answer on replay is a transient fault.
+0.1 floor on the spread of a log-scale series) is an ``activation_spike``: two-sided,
+a drop as well as a rise (an exponent-down flip or a sign-and-shrink of the largest
+element lowers amax; with k = 50 and the 0.1 floor that is a factor of e⁵ ≈ 150 either
+way). Both are handled by replay: a different answer on replay is a transient fault.
 
 Watched: the blocks (the elements of every ``nn.ModuleList`` /
 ``nn.ModuleDict`` / ``nn.Sequential`` of the model) and each block's direct
@@ -105,7 +107,8 @@ class ActivationCheck:
                 out.append(Suspicion(step=step, rank=rank, kind=KIND_NONFINITE, tensor=name + ".output",
                                      evidence={"where": "activation", "amax": a}))
             elif judge and self.k > 0 and a > 0:
-                det = self._spikes.setdefault(name, RobustSpike(self.k, self.window, self.warmup, min_sigma=0.1))
+                det = self._spikes.setdefault(name, RobustSpike(self.k, self.window, self.warmup, min_sigma=0.1,
+                                                                         two_sided=True))
                 spike, z = det.check(math.log(a))
                 if spike:
                     out.append(Suspicion(step=step, rank=rank, kind=KIND_ACTIVATION_SPIKE, tensor=name + ".output",

@@ -51,8 +51,12 @@ class BitSums:
 
     * tensors that tile one storage back to back (optimizer state packed by
       :func:`resilient.optim_state.pack_state`) are one *run*: one kernel gives the
-      bit-sums of its blocks of :data:`BLOCK` elements (0.30 vs 1.15 ms for
-      Adam's 870k moments of the demo, measured in the training step);
+      bit-sums of its pieces, cut at every :data:`BLOCK` elements and at every
+      tensor's boundary (0.30 vs 1.15 ms for Adam's 870k moments of the demo,
+      measured in the training step), so each entry covers one tensor and a
+      suspicion names the tensor struck, not the first of a block's neighbours
+      (an ``exp_avg_sq`` flip was reported as the ``exp_avg`` of the parameter
+      before it);
     * any other tensor is its own entry, through a cached integer view;
     * 0-dim tensors (Adam's ``step`` counters) take one stack per dtype, their
       bit-sum being their bit pattern.
@@ -70,7 +74,7 @@ class BitSums:
         self.big = [i for i, x in enumerate(xs) if x.dim()]
         self.ptrs = [x.data_ptr() for x in xs]
         self.entries: list[tuple[int, ...]] = []
-        self.parts: list[tuple[str, torch.Tensor]] = []     # ("one" | "blocks", integer view)
+        self.parts: list[tuple[str, object]] = []   # ("one", integer view) | ("pieces", (run's view, cuts))
         segs = []                                            # each entry's elements, for the native kernel
         for run in _runs([(i, xs[i]) for i in self.big]):
             if len(run) == 1:
@@ -82,15 +86,18 @@ class BitSums:
             first = xs[run[0]]
             n = sum(xs[i].numel() for i in run)
             flat = bits_view(first.as_strided((n,), (1,), first.storage_offset()))
-            self.parts.append(("blocks", flat))
-            ends, off = [], 0
+            cuts, off = [], 0   # (start, end) of each piece: a tensor's part of a block
             for i in run:
-                off += xs[i].numel()
-                ends.append(off)
-            for lo in range(0, n, BLOCK):
-                hi = min(lo + BLOCK, n)
-                self.entries.append(tuple(i for i, e, b in zip(run, ends, [0] + ends) if b < hi and e > lo))
-                segs.append(flat[lo:hi])
+                lo, hi = off, off + xs[i].numel()
+                off = hi
+                a = lo
+                while a < hi:
+                    b = min(hi, (a // BLOCK + 1) * BLOCK)
+                    cuts.append((a, b))
+                    self.entries.append((i,))
+                    segs.append(flat[a:b])
+                    a = b
+            self.parts.append(("pieces", (flat, cuts)))
         scalars: dict[torch.dtype, list[int]] = {}
         for i, x in enumerate(xs):
             if not x.dim():
@@ -116,11 +123,11 @@ class BitSums:
             if how == "one":
                 sums.append(v.sum(dtype=torch.int32).reshape(1))
                 continue
-            whole = v.numel() // BLOCK * BLOCK
-            if whole:
-                sums.append(v[:whole].view(-1, BLOCK).sum(dim=1, dtype=torch.int32))
-            if whole < v.numel():
-                sums.append(v[whole:].sum(dtype=torch.int32).reshape(1))
+            flat, cuts = v   # every piece's sum from one running sum (no compiler: the slow path)
+            run = torch.cat([torch.zeros(1, dtype=torch.int64, device=flat.device), flat.to(torch.int64).cumsum(0)])
+            ends = torch.tensor([b for _, b in cuts], device=flat.device)
+            starts = torch.tensor([a for a, _ in cuts], device=flat.device)
+            sums.append(((run[ends] - run[starts] + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32))
         parts = [torch.cat(sums)] if sums else []
         parts += [bits_view(torch.stack(xs)).to(torch.int32) for _, xs in self.scalars]
         # Adam's ``step`` counters live on the CPU while parameters and moments are on the
@@ -187,7 +194,7 @@ class AtRest:
         if now.shape != old.shape:   # laid out anew since the record (not by a restore, which clears it)
             return [Suspicion(step=step, rank=rank, kind=self.kind, tensor="*", device=device,
                               evidence={"hashed_after_step": rec_step, "entries": [len(old), len(now)]})]
-        # One suspicion per set of tensors: the blocks of one big tensor share its name, and
+        # One suspicion per tensor: the pieces of one big tensor share its name, and
         # the monitor merges suspicions by name, so two changed blocks (a harmless bit-0
         # flip and a real one) must not be reported apart. Harmless only when one entry
         # moved, by what one flip of bit 0 or 1 explains.

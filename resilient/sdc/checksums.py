@@ -274,10 +274,13 @@ class RobustSpike:
     ``warmup`` values nothing is judged. A MAD of zero (a constant series) uses
     a floor of ``1e-12·|median|`` so a constant series flags only real jumps;
     ``min_sigma`` sets an absolute floor where natural variation is known.
+    ``two_sided``: a value as far *below* the median is flagged too (a series that
+    must not fall either: an activation's scale, which a shrinking fault lowers).
     """
 
-    def __init__(self, k: float, window: int = 50, warmup: int = 10, min_sigma: float = 0.0):
-        self.k, self.warmup, self.min_sigma = k, warmup, min_sigma
+    def __init__(self, k: float, window: int = 50, warmup: int = 10, min_sigma: float = 0.0,
+                 two_sided: bool = False):
+        self.k, self.warmup, self.min_sigma, self.two_sided = k, warmup, min_sigma, two_sided
         self.values: deque[float] = deque(maxlen=window)
 
     def score(self, x: float) -> float:
@@ -294,7 +297,7 @@ class RobustSpike:
         if not math.isfinite(x):
             return False, math.nan
         s = self.score(x)
-        spike = self.k > 0 and s > self.k
+        spike = self.k > 0 and (abs(s) if self.two_sided else s) > self.k
         if not spike:
             self.values.append(x)
         return spike, s

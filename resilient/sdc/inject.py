@@ -11,7 +11,12 @@ exponent, the rest the mantissa (bit 0 the lowest).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -112,6 +117,32 @@ def flip_bit(t: torch.Tensor, element: int, bit: int) -> tuple[float, float]:
     return old, new
 
 
+class StrikeRecord:
+    """Where a transient flip notes that it struck, so that it strikes once per *run*.
+
+    The injector's own memory dies with its worker: a worker killed and restarted (or a
+    rollback that relaunches the job) would meet the flip's step again and strike again,
+    turning a campaign's one fault into several. One empty file per flip under
+    ``<run dir>/sdc-strikes`` (the run dir is the job's alone, 0700; the directory 0700,
+    the file 0600, made with ``O_EXCL``) survives the worker; its name is the flip's index
+    in ``sdc.inject`` and a digest of its fields, so a changed spec is a new flip."""
+
+    def __init__(self, directory: str | os.PathLike, index: int, spec: "FlipSpec"):
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
+        self.directory = Path(directory)
+        self.path = self.directory / f"{index}-{digest}"
+
+    def struck(self) -> bool:
+        return self.path.exists()
+
+    def note(self) -> None:
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            pass
+
+
 class BitFlipInjector:
     """Applies a :class:`FlipSpec` on its rank; a no-op elsewhere.
 
@@ -120,12 +151,15 @@ class BitFlipInjector:
     ``optim_state``; ``activation`` flips fire from a forward hook installed by
     :meth:`attach` (the forward of step ``self.current_step``). ``log`` gets one
     dict per flip (the chaos harness turns them into ``fault_injected`` events).
+    ``record``: where a transient flip notes its strike for the whole run
+    (:class:`StrikeRecord`); without one it strikes once per injector.
     """
 
     def __init__(self, spec: FlipSpec, rank: int, log: Callable[[dict], None] | None = None,
-                 node: str = "", local_rank: int = 0):
+                 node: str = "", local_rank: int = 0, record: StrikeRecord | None = None):
         self.spec, self.rank, self.log = spec, rank, log
         self.node, self.local_rank = node, local_rank
+        self.record = record
         self.fired = 0
         self.current_step = -1
         self._handle = None
@@ -141,9 +175,11 @@ class BitFlipInjector:
             return False
         if self.spec.persistent:
             return step >= self.spec.step
-        return step == self.spec.step and self.fired == 0
+        return step == self.spec.step and self.fired == 0 and not (self.record is not None and self.record.struck())
 
     def _flip(self, t: torch.Tensor, step: int, what: str) -> dict:
+        if self.record is not None and not self.spec.persistent:
+            self.record.note()   # before the flip: a worker killed right after it must not strike again
         old, new = flip_bit(t, self.spec.element, self.spec.bit)
         self.fired += 1
         rec = {"fault": "bitflip", "target": self.spec.target, "tensor": what, "bit": self.spec.bit,

@@ -56,7 +56,7 @@ from torch import nn
 
 from resilient.sdc.abft import GemmCheck, attach_abft
 from resilient.sdc.activations import ActivationCheck, attach_activation_checks, reached_the_step
-from resilient.sdc.api import (KIND_ACTIVATION_SPIKE, KIND_AT_REST, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA,
+from resilient.sdc.api import (KIND_ACTIVATION_SPIKE, KIND_AT_REST, KIND_CROSS, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA,
                                KIND_STATE_AT_REST, Action, Decision, SdcConfig, SdcDetected, SdcError, Spent, Suspicion,
                                Verdict)
 from resilient.sdc.parts import Parts, _named_params, _parts, _timed, device_id  # noqa: F401 - device_id: public here too
@@ -110,6 +110,9 @@ class SdcMonitor:
         self.devices: dict[int, str] = {}
         self.resting = Resting()   # parameters and optimizer state: hashed after a due step, verified at the next
         self._last_verified = -1   # newest step whose parameters a check verified clean
+        # newest step whose forward the cross-device replay found clean on every rank: a
+        # persistent fault it attributes struck after it, so a rollback goes no later
+        self.cross_clean_step = 0
         self._external: list[Suspicion] = []
         # the mean loss over the ranks that have one, from this step's exchange: the loop's own
         # all-reduce of the loss for its log would move the same numbers again (see :meth:`_note_losses`)
@@ -434,6 +437,11 @@ class SdcMonitor:
         matches = {r: Match(m) for r, m, _ in extras}
         details = {r: d for r, _, d in extras}
         still = {s.rank for s in replay_sus if s.kind in EXACT_KINDS or s.kind == KIND_NONFINITE}
+        # a rank the cross-device replay attributed (two other devices agree against it) that
+        # gives its wrong answer again on its own device computes wrong: still suspect. A tie
+        # (two devices, no majority) never is: replay tells a transient, nothing else acts.
+        still |= {s.rank for s in original if s.kind == KIND_CROSS and s.evidence.get("attributed")
+                  and matches.get(s.rank) is Match.SAME}
         involved = sorted({s.rank for s in original} | still)
         # reproducible answers are settled by a known-answer probe on the device
         reproducible = [r for r in involved if matches[r] is Match.SAME]
@@ -463,6 +471,9 @@ class SdcMonitor:
         d = Decision(suspicions=original + replay_sus, verdicts=verdicts, devices=dict(self._devices()),
                      rollback_to=step - 1)
         if bad:
+            if any(s.kind == KIND_CROSS and s.rank in bad for s in original):
+                # a device that computes wrong did so since the last clean sample at the latest
+                d.rollback_to = min(d.rollback_to, self.cross_clean_step)
             return self._quarantine(step, d, bad)
         return d
 
