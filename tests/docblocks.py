@@ -84,7 +84,7 @@ def blocks(path: Path) -> list[Block]:
 
 
 # The demo made small: the same model and layout, a few steps.
-DEMO_SMALL = {"train.steps": "4", "train.eval_every": "0", "train.log_every": "1",
+DEMO_SMALL = {"train.steps": "6", "train.eval_every": "0", "train.log_every": "1",
               "snapshot.durable_every": "2"}
 
 # (pattern, replacement) applied in order; each a placeholder or a size, never the command itself.
