@@ -78,6 +78,7 @@ def test_block_runs_as_typed(block, where):
     _run(block, cwd, endpoint)
 
 
+@pytest.mark.etcd
 def test_a_broken_block_is_reported_with_its_file_and_line(tmp_path, where):
     cwd, endpoint = where
     readme = tmp_path / "README.md"
