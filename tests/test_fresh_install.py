@@ -90,13 +90,33 @@ def fresh_venv(where: Path) -> Path:
     return py
 
 
+# Prints every loaded module's file under the folder argv[1], compared as paths: a venv beside the
+# checkout under its name plus "-venv" ("resilient-venv" beside "resilient") is not inside it.
+FROM_CHECKOUT = """
+import sys
+from pathlib import Path
+print("\\n".join(m.__file__ for m in list(sys.modules.values())
+                 if getattr(m, "__file__", None) and Path(m.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve())))
+"""
 # Imported in the venv; every module they bring in must come from the venv, none from the checkout.
-PROBE = f"""
+PROBE = """
 import sys, resilient.cli, resilient.launch, resilient.gpt.program, resilient.gpt.worker, resilient_tools.cli
 import resilient_chaos.runner as r, resilient_chaos.scenario as s
 print(r.resolve_config(s.load_scenario('kill-worker')))
-print("\\n".join(m.__file__ for m in list(sys.modules.values()) if (getattr(m, "__file__", None) or "").startswith({str(REPO)!r})))
-"""
+""" + FROM_CHECKOUT
+
+
+def test_probe_compares_paths_not_string_prefixes(tmp_path):
+    """A module read from ``resilient-venv`` is not "from the checkout" ``resilient`` (issue 44: every
+    module of such a venv was flagged when the probe compared strings); one inside the checkout is."""
+    checkout, venv = tmp_path / "resilient", tmp_path / "resilient-venv"
+    for folder, name in ((checkout, "in_checkout_mod"), (venv, "in_venv_mod")):
+        folder.mkdir()
+        (folder / f"{name}.py").write_text("")
+    code = f"import sys; sys.path[:0] = [{str(checkout)!r}, {str(venv)!r}]; import in_checkout_mod, in_venv_mod\n"
+    out = subprocess.run([sys.executable, "-c", code + FROM_CHECKOUT, str(checkout)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str((checkout / "in_checkout_mod.py").resolve())]
 
 
 def test_wheel_in_a_fresh_venv_runs_the_demo(wheel, tmp_path, corpus):
@@ -107,7 +127,7 @@ def test_wheel_in_a_fresh_venv_runs_the_demo(wheel, tmp_path, corpus):
     assert inst.returncode == 0, inst.stderr[-3000:]
     work = tmp_path / "elsewhere"  # not the checkout: nothing is read from it
     work.mkdir()
-    where = subprocess.run([str(py), "-c", PROBE], cwd=work, capture_output=True, text=True)
+    where = subprocess.run([str(py), "-c", PROBE, str(REPO)], cwd=work, capture_output=True, text=True)
     assert where.returncode == 0, where.stderr[-3000:]
     scenario_config, *from_checkout = where.stdout.split()
     assert Path(scenario_config).is_relative_to(venv) and not from_checkout, where.stdout
