@@ -70,6 +70,8 @@ class AgentSettings:
     preemption_grace: timedelta = timedelta(seconds=20)
     etcd_compact_interval: timedelta = timedelta(minutes=5)  # zero: never (resilient.etcd.compactor)
     etcd_outage: timedelta = timedelta(minutes=5)  # etcd unreachable this long: the node stops (ResilientAgent)
+    join_timeout: timedelta = timedelta(minutes=10)  # the rendezvous handler's own bound, named in the progress line
+    join_progress_interval: timedelta = timedelta(seconds=30)  # a waiting join says who is there this often
     run_id: str = ""
     etcd_endpoint: str = ""
     etcd_factory: Any = None            # () -> EtcdClient, for the node store service
