@@ -35,7 +35,7 @@ from .properties import (
 from .proxy import ProxyFault, TcpProxy
 from .report import failed_record, write_results
 from .scenario import PlannedFault, Scenario, as_dict
-from .slow import SlowProcess
+from .slow import AgentStall, SlowProcess
 from .timeline import EventTail, episodes, load_timeline
 
 
@@ -133,6 +133,9 @@ def make_injector(f: PlannedFault, job: JobHandles) -> Injector:
     if k in ("slow-rank", "slow-host"):
         src = (lambda: job.rank_pid(t.index)) if k == "slow-rank" else (lambda: job.node_pid(t.index))
         return SlowProcess(src, factor=p.factor, period=timedelta(milliseconds=p.period_ms), tree=k == "slow-host", **kw)
+    if k == "agent-stall":
+        return AgentStall(lambda: job.node_pid(t.index), stall=timedelta(seconds=p.stall_seconds),
+                          run=timedelta(seconds=p.run_seconds), **kw)
     if k == "slow-link":
         if job.netlab is None:
             return Unavailable(k, "the job runs without a network lab (topology.network = 'netns' and root needed)", **kw)

@@ -72,6 +72,7 @@ SURVIVING_TIERS: dict[str, tuple[str, ...]] = {
     "slow-rank": ALL_TIERS,   # slow, never lost: nothing is restored
     "slow-host": ALL_TIERS,
     "slow-link": ALL_TIERS,
+    "agent-stall": ALL_TIERS,  # stalled, never lost: nothing is restored
     "failure": ("durable",),  # a failure the harness did not cause
     "start": ("durable",),    # a resume at launch
 }

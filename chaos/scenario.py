@@ -145,6 +145,15 @@ class SlowParams:
 
 
 @dataclass
+class AgentStallParams:
+    """agent-stall: a node's agent (alone) stopped in bursts, as a loaded host stalls it (chaos.slow.AgentStall)."""
+
+    stall_seconds: float = knob(5.0, "each burst stops the agent this long: longer than launch.node_lease_ttl (the lease lapses), shorter than launch.loss_confirm_bound (60 s; no loss may be declared)")
+    run_seconds: float = knob(5.0, "the agent runs this long between bursts")
+    seconds: float = knob(30.0, "how long the bursts go on; 0 = until the run ends")
+
+
+@dataclass
 class SlowLinkParams:
     """slow-link: a low rate of dropped packets into one node (or from one peer): TCP
     retransmits stretch every transfer through it (needs topology.network = 'netns')."""
@@ -182,6 +191,7 @@ PARAMS_BY_KIND: dict[str, type] = {
     "slow-rank": SlowParams,
     "slow-host": SlowParams,
     "slow-link": SlowLinkParams,
+    "agent-stall": AgentStallParams,
 }
 FAULT_KINDS = tuple(PARAMS_BY_KIND)
 
@@ -194,6 +204,7 @@ _TARGET_SCOPES = {
     "reset": ("etcd", "rendezvous"), "etcd-loss": ("etcd",), "embedded-etcd-kill": ("etcd",), "storage-flaky": ("durable",),
     "bitflip": ("rank",), "disk-full": ("durable", "local"), "store-full": ("local",), "scale-down": ("node",), "scale-up": ("node",),
     "slow-rank": ("rank",), "slow-host": ("node",), "slow-link": ("node", "link"),
+    "agent-stall": ("node",),
 }
 
 
@@ -441,6 +452,8 @@ def _validate_fault(f: FaultSpec, i: int, sc: Scenario) -> None:
         raise ConfigError(f"{src}: {where}.params.bytes_per_second must be > 0 for bandwidth")
     if f.kind in ("slow-rank", "slow-host") and not (p.factor > 1 and p.period_ms > 0):
         raise ConfigError(f"{src}: {where}.params needs factor > 1 and period_ms > 0 for {f.kind} (got factor {p.factor}, period_ms {p.period_ms})")
+    if f.kind == "agent-stall" and not (p.stall_seconds > 0 and p.run_seconds > 0):
+        raise ConfigError(f"{src}: {where}.params needs stall_seconds > 0 and run_seconds > 0 for agent-stall")
     if f.kind == "slow-link" and not 0 < p.probability <= 1:
         raise ConfigError(f"{src}: {where}.params.probability must be in (0, 1] for slow-link")
     if f.kind in ("partition", "link-cut", "packet-loss", "slow-link") and sc.topology.network != "netns":

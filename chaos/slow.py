@@ -7,7 +7,9 @@ and run for the rest, so whatever they compute takes ``factor`` times as long
 launches no kernels either). ``kind`` says what it stands for:
 
 - ``slow-rank``: one worker (a throttled GPU, a thermally capped CPU);
-- ``slow-host``: every worker of one agent (a noisy neighbour, a power cap).
+- ``slow-host``: every worker of one agent (a noisy neighbour, a power cap);
+- ``agent-stall`` (:class:`AgentStall`): one agent, not its workers, stopped in bursts of
+  seconds (a loaded host that does not schedule it): its lease lapses, it is not lost.
 
 A slow link is :class:`~chaos.netns.PacketLoss` at a low rate on one node's
 veth (TCP retransmits stretch every transfer through it) or the TCP proxy's
@@ -127,3 +129,19 @@ class SlowProcess(Injector):
             time.sleep(0.005)
         if self.record is not None:
             self.record.detail += f"; achieved x{self.achieved_factor:.2f} over {time.monotonic() - self.started:.1f} s"
+
+
+class AgentStall(SlowProcess):
+    """Stall one node's agent (the process alone; its workers train on) in bursts: stopped for
+    ``stall`` then running for ``run``, repeated until cleared. A loaded host does this to an
+    agent (issue 38: 17-60 s stalls at load 45-160): a burst longer than the node lease lets the
+    lease lapse, and the job must not declare the node lost, since its agent's pid is alive and
+    its port accepts (no second signal) and the burst ends before ``launch.loss_confirm_bound``."""
+
+    def __init__(self, source: PidSource, *, stall: timedelta, run: timedelta, settle: timedelta = DEFAULT_SETTLE,
+                 **kw: Any) -> None:
+        if stall <= timedelta(0) or run <= timedelta(0):
+            raise InjectionFailed(f"agent-stall needs a positive stall ({stall}) and run ({run}) between bursts")
+        period = stall + run
+        super().__init__(source, factor=period / run, period=period, tree=False, settle=settle, **kw)
+        self.kind = "agent-stall"

@@ -499,6 +499,8 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             preemption_grace=timedelta(seconds=lc.preemption_grace),
             etcd_compact_interval=timedelta(seconds=lc.etcd_compact_interval),
             etcd_outage=timedelta(seconds=lc.etcd_outage),
+            join_timeout=timedelta(seconds=lc.join_timeout),
+            join_progress_interval=timedelta(seconds=lc.join_progress_interval),
             run_id=run_id, etcd_endpoint=endpoint,
             etcd_factory=lambda: client_from_params(params),
             etcd_conf=worker_etcd_conf(rdzv_conf),

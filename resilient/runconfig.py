@@ -50,6 +50,7 @@ class LaunchConfig:
     last_call_timeout: float = knob(1.0, "with MIN:MAX nodes, how long a round waits for more nodes once MIN are in (torch's default is 30)")
     keep_alive_interval: float = knob(1.0, "rendezvous keep-alive period; a node missing 3 of them is dropped from the round")
     join_timeout: float = knob(600.0, "how long a node waits for a rendezvous round to complete")
+    join_progress_interval: float = knob(30.0, "while a node waits for a rendezvous round, it says this often which nodes are registered, how many the job needs and the etcd endpoint")
     rendezvous: str = knob("keys", "the rendezvous protocol: torch (torch's handler, one state key changed by compare-and-swap: fine up to ~32 nodes) or keys (a key per node: re-forms in about a second at hundreds of nodes; bench/scale.py)", choices=("torch", "keys"))
     preemption_grace: float = knob(20.0, "after SIGTERM, how long workers get to finish the step and save before SIGKILL")
     etcd_outage: float = knob(300.0, "seconds etcd may stay unreachable while the workers train on (the local tier keeps their snapshots); past it a node stops after its workers saved their newest step, and a relaunch resumes from the newest durable version")
@@ -73,7 +74,8 @@ class LaunchConfig:
                      at_least={"nproc_per_node": 0, "max_restarts": 0, "spares": -1, "last_call_timeout": 0,
                                "preemption_grace": 0, "etcd_compact_interval": 0},
                      above={"monitor_interval": 0, "heartbeat_timeout": 0, "startup_timeout": 0,
-                            "node_lease_ttl": 0, "keep_alive_interval": 0, "join_timeout": 0, "etcd_outage": 0})
+                            "node_lease_ttl": 0, "keep_alive_interval": 0, "join_timeout": 0, "join_progress_interval": 0,
+                            "etcd_outage": 0})
         port = self.metrics_port
         if isinstance(port, str) and port.strip().lower() == "off":
             port = -1

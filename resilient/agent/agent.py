@@ -40,6 +40,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -332,7 +333,8 @@ class ResilientAgent(SimpleElasticAgent):
             self.events.emit("evicted", nodes=dead, reason="agent port refuses connections")
 
     def _join_round(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
+        with JoinProgress(self.settings, self.registry):
+            super()._rendezvous(worker_group)
         # Publish who we are in this round's store, learn who the others are.
         ids = exchange_node_ids(worker_group.store, worker_group.group_rank,
                                 worker_group.group_world_size, self.settings.node_id)
@@ -660,3 +662,45 @@ class ResilientAgent(SimpleElasticAgent):
             handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10.0)
         except Exception as e:  # best effort: the keep-alive expiry is the fallback
             log.warning("could not leave the rendezvous cleanly: %s", e)
+
+
+class JoinProgress:
+    """While a rendezvous join waits, say every ``join_progress_interval`` who is there: the
+    nodes registered now, how many the job needs, the endpoint. A join waits up to
+    ``join_timeout`` (10 minutes by default) for missing nodes; silence for that long reads as a
+    hang (issue 38). A context manager: the thread stops when the join returns or raises."""
+
+    def __init__(self, settings: AgentSettings, registry: NodeRegistry | None) -> None:
+        self.settings, self.registry = settings, registry
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="join-progress", daemon=True)
+        self.said = 0
+
+    def __enter__(self) -> "JoinProgress":
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+    def line(self) -> str:
+        s = self.settings
+        try:  # unknown is said as unknown: the registry's read may fail while etcd is away
+            alive = self.registry.alive() if self.registry is not None else None
+        except Exception:
+            alive = None
+        there = ("etcd cannot say which nodes are registered" if alive is None else
+                 f"nodes registered now: {', '.join(sorted(set(alive) | {s.node_id}))} (this one: {s.node_id})")
+        need = f"{s.min_nodes}" if s.min_nodes == s.max_nodes else f"at least {s.min_nodes} (up to {s.max_nodes})"
+        return (f"resilient: node {s.node_id} has waited {time.monotonic() - self._t0:.0f} s for the rendezvous at "
+                f"{s.etcd_endpoint or 'the rendezvous endpoint'}: {there}; the job needs {need} node(s); it gives up "
+                f"after launch.join_timeout ({s.join_timeout.total_seconds():.0f} s). Start the missing nodes "
+                "on this run dir and endpoint")
+
+    def _run(self) -> None:
+        every = self.settings.join_progress_interval.total_seconds()
+        while not self._done.wait(every):
+            log.warning("%s", self.line())
+            self.said += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -70,6 +71,8 @@ class AgentSettings:
     preemption_grace: timedelta = timedelta(seconds=20)
     etcd_compact_interval: timedelta = timedelta(minutes=5)  # zero: never (resilient.etcd.compactor)
     etcd_outage: timedelta = timedelta(minutes=5)  # etcd unreachable this long: the node stops (ResilientAgent)
+    join_timeout: timedelta = timedelta(minutes=10)  # the rendezvous handler's own bound, named in the progress line
+    join_progress_interval: timedelta = timedelta(seconds=30)  # a waiting join says who is there this often
     run_id: str = ""
     etcd_endpoint: str = ""
     etcd_factory: Any = None            # () -> EtcdClient, for the node store service
@@ -90,6 +93,50 @@ class AgentSettings:
     metrics_port: int | None = None     # Prometheus /metrics (resilient.observe.metrics): 0 = a free port, None = off
     metrics_host: str = "127.0.0.1"     # ... the address it binds (launch.metrics_host)
     durable_url: str = ""               # snapshot.durable_url: where the ledger's durable copy goes ("" = RUN_DIR/checkpoints)
+
+
+# The step of this worker process's clean ``run_end`` (its state saved), once it has one.
+_clean_run_end: list[int] = []
+# What a collective's failure says when a peer's process is gone (gloo, NCCL, the TCP store).
+_PEER_GONE = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def mark_clean_run_end(step: int) -> None:
+    """This worker ended its run cleanly at ``step``: its last state is saved (``Job.finish``)."""
+    _clean_run_end[:] = [step]
+
+
+def peer_gone_after_run_end(error: BaseException) -> int | None:
+    """The step of this worker's clean ``run_end`` when ``error`` is a collective's failure raised
+    after it, else None. A peer that already ended its run (or whose node stopped) breaks the
+    process group for whatever the script does after the loop; this worker's state was saved,
+    so that is no worker error (issue 38: a gloo traceback logged after a clean ``run_end``).
+    Any other error after the end is still one: a user's own bug is never hidden."""
+    if not _clean_run_end:
+        return None
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:   # the error or what it was raised from
+        seen.add(id(e))
+        # torch.distributed's DistError family by name: this module must not import torch
+        if any(c.__name__ == "DistError" for c in type(e).__mro__) or (
+                isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_GONE)):
+            return _clean_run_end[0]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def said_peer_gone(error: BaseException) -> bool:
+    """After this worker's clean ``run_end``, a collective that failed because a peer already
+    left is said in one line (no traceback, no ``worker_error``), and the worker may exit 0:
+    its state was saved, nothing failed. False for any other error."""
+    step = peer_gone_after_run_end(error)
+    if step is None:
+        return False
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    print(f"resilient: this worker ended its run at step {step} (saved); after that a collective failed because "
+          f"a peer had already left ({type(error).__name__}: {first}): not an error", file=sys.stderr, flush=True)
+    return True
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

@@ -77,6 +77,10 @@ def run(module: bool, target: str, args: list[str]) -> int:
     except SystemExit as e:
         return _exit_code(e)
     except BaseException as e:
+        from resilient.agent.api import said_peer_gone
+
+        if said_peer_gone(e):   # after this worker's clean run_end: a peer that left, not an error
+            return 0
         text = "".join(traceback.format_exception(type(e), e, _script_frames(e.__traceback__)))
         sys.stderr.write(text)
         _record_error(e, text)

@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from resilient.gpt.config import config_from_dict
 from resilient.job import EventLog
+from resilient.job.api import said_peer_gone
 
 
 # Pinned host memory (the capture ring's buffers on a GPU) by malloc + cudaHostRegister on
@@ -63,10 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:
         failed = True
-        rank = int(os.environ.get("RANK", "-1"))
-        EventLog(os.path.join(args.run_dir, "events.jsonl"), node=args.node, rank=rank).emit(
-            "worker_error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        raise
+        if said_peer_gone(e):   # after its clean run_end: a peer that left, not an error
+            code = 0
+        else:
+            record_worker_error(e, args)
+            raise
     finally:
         if trainer is not None:
             trainer.close(failed)
@@ -76,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def record_worker_error(e: BaseException, args) -> None:
+    """The ``worker_error`` event the agent quotes when it gives up."""
+    rank = int(os.environ.get("RANK", "-1"))
+    EventLog(os.path.join(args.run_dir, "events.jsonl"), node=args.node, rank=rank).emit(
+        "worker_error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from resilient.agent.api import said_peer_gone  # noqa: F401 (public: a worker's entry asks it)
 from resilient.errors import ResilientError
 
 RUN_DIR_ENV = "RESILIENT_RUN_DIR"

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient.agent.api import NODE_ID_ENV, NOT_DURABLE_EXIT, PEER_LEFT_EXIT
+from resilient.agent.api import NODE_ID_ENV, NOT_DURABLE_EXIT, PEER_LEFT_EXIT, mark_clean_run_end
 from resilient.agent.heartbeat import HeartbeatWriter
 from resilient.agent.quarantine import QUARANTINE_EXIT, SLOW_EXIT
 from resilient.events import EventLog
@@ -550,6 +550,7 @@ class Job:
             except StorageError as e:
                 self.events.emit("worker_error", error=f"{type(e).__name__}: {e}", traceback="")
                 raise SystemExit(NOT_DURABLE_EXIT) from e
+        mark_clean_run_end(self.step)   # saved: a peer's leaving from here on is no worker error
         if self.stop_requested and not self.signalled and os.environ.get(NODE_ID_ENV):
             # Stopped for another node's preemption: saved with it; this node stays, and its
             # agent re-forms the job without the leaver (PEER_LEFT_EXIT: not a failure). A
