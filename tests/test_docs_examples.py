@@ -75,6 +75,9 @@ def test_every_typed_block_is_run_or_says_why_not():
 @pytest.mark.parametrize("block", RUN, ids=[f"{b.file.name}:{b.line}" for b in RUN])
 def test_block_runs_as_typed(block, where):
     cwd, endpoint = where
+    # Each block as on a fresh checkout: another block's run dir (the demo at another size) would
+    # be resumed, and refused as a checkpoint of another model.
+    shutil.rmtree(cwd / "runs", ignore_errors=True)
     _run(block, cwd, endpoint)
 
 
