@@ -24,6 +24,7 @@ TRAIN_PY = textwrap.dedent("""\
     dist.init_process_group("gloo")
     t = torch.tensor([dist.get_rank() + 1.0]); dist.all_reduce(t)
     print("rank", dist.get_rank(), "sum", t.item())
+    dist.destroy_process_group()
 """)
 
 
