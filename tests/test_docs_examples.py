@@ -58,7 +58,9 @@ def where(tmp_path_factory):
 
 
 def _run(block, cwd: Path, endpoint: str) -> str:
-    env = copy_env({"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+    # TMPDIR: what the blocks leave in the temp dir (torchrun's /tmp/torchelastic_* log dirs) goes
+    # with the test's folder.
+    env = copy_env({"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": str(cwd),
                     "PATH": f"{Path(sys.executable).parent}:{__import__('os').environ['PATH']}"})
     return run_block(block, cwd, env, timeout_s=240, endpoint=endpoint, run_id=unique_run_id("docs"),
                      tmp=str(cwd))
