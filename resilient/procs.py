@@ -48,6 +48,20 @@ def owner_record(**extra) -> str:
     return json.dumps({"pid": me.pid, "pid_started": me.create_time(), "pid_ticks": start_ticks(me.pid), **extra})
 
 
+def process_alive(pid: int, ticks: int | None = None) -> bool:
+    """Is ``pid`` a running process (of any user) and, when ``ticks`` is given, the same one
+    that started at those ticks (a pid alone can be reused)?"""
+    if ticks is not None:
+        return start_ticks(pid) == ticks
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def owner_alive(directory: str | os.PathLike) -> bool:
     """Is the process named by ``directory/owner.json`` still running? False when the file
     is missing or unreadable, or the pid now belongs to another process."""
@@ -56,7 +70,7 @@ def owner_alive(directory: str | os.PathLike) -> bool:
             info = json.load(f)
         pid = int(info["pid"])
         if isinstance(info.get("pid_ticks"), int):
-            return start_ticks(pid) == info["pid_ticks"]
+            return process_alive(pid, info["pid_ticks"])
         proc = psutil.Process(pid)
         return abs(proc.create_time() - float(info["pid_started"])) < 1.0
     except (OSError, ValueError, KeyError, TypeError, psutil.Error):

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Callable
 
 from resilient.control.api import (ClaimElsewhere, ClaimForged, ClaimSettings, ClaimTimeout, OwnerRecord)
-from resilient.procs import start_ticks
+from resilient.procs import process_alive, start_ticks
 from resilient.rundir import open_private, private_dir, write_private
 from resilient.secret import Unauthentic
 
@@ -68,18 +68,6 @@ def control_dir(run_dir: str | os.PathLike) -> Path:
 
 def _say(line: str) -> None:
     print(f"resilient: {line}", file=sys.stderr, flush=True)
-
-
-def _alive(pid: int, ticks: int | None) -> bool:
-    if ticks is None:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return start_ticks(pid) == ticks
 
 
 def lock_holders(path: Path) -> list[int]:
@@ -174,7 +162,7 @@ class RunDirClaim:
             record = OwnerRecord.of(self.secret.open_record(PURPOSE, RECORD_KEY, raw))
         except Unauthentic as e:
             claimed = _unverified(raw)
-            if claimed is None or not _alive(*claimed):
+            if claimed is None or not process_alive(*claimed):
                 return None   # stale, whoever wrote it: the lock decides who owns now
             raise ClaimForged(
                 f"the owner record of this run dir's embedded etcd ({self.record_path}) names a live process "
@@ -190,7 +178,7 @@ class RunDirClaim:
                 f"{record.host!r}, not this one ({self.host!r}): an embedded etcd serves one machine (it listens "
                 f"on loopback). On several machines, run an etcd cluster and pass --rdzv-endpoint to every node, "
                 f"or give each machine its own --run-dir")
-        return record if _alive(record.pid, record.pid_ticks) else None
+        return record if process_alive(record.pid, record.pid_ticks) else None
 
     def join(self) -> OwnerRecord | None:
         """None: this agent now owns the control plane (the lock is held: start etcd, then
@@ -252,4 +240,4 @@ def peek_owner(run_dir: str | os.PathLike) -> OwnerRecord | None:
         record = OwnerRecord.of(json.loads(raw))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return record if _alive(record.pid, record.pid_ticks) else None
+    return record if process_alive(record.pid, record.pid_ticks) else None
