@@ -29,13 +29,19 @@ def help_text(words: list[str]) -> str:
     """What ``resilient WORDS --help`` prints, at a fixed width (argparse wraps to $COLUMNS)."""
     from resilient.cli import main
 
+    columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             main([*words, "--help"] if words else ["--help"])
-        except SystemExit:
-            pass
+    except SystemExit:
+        pass
+    finally:  # the caller's width (a test process's) stays as it was
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return out.getvalue().rstrip() + "\n"
 
 
