@@ -188,6 +188,38 @@ def test_a_device_verdict_the_probe_did_not_bear_out_is_judged_again_and_a_later
     assert kinds == ["failslow_probe", "straggler"], kinds
 
 
+def test_a_link_is_named_only_where_a_second_probe_places_it_too(tmp_path, monkeypatch):
+    """CI once named the neighbour of a lossy node: a clean edge stalled on the loaded host's
+    scheduling while a lossy edge's sample missed its retransmission stalls. A located link is
+    probed again; two probes that disagree are a link not located (retried), two that agree
+    name it."""
+    from resilient.events import EventLog
+    from resilient.failslow import monitor
+
+    ok = [0.04] * 3
+    at_n0 = (ok, [0.05, 0.003, 0.06])    # the lossy (1, 2) sample lucky, the clean (2, 0) stalled
+    at_n1 = (ok, [0.09, 0.12, 0.0011])   # n1's two pairs slow
+    probes = iter([at_n0, at_n1, at_n1, at_n1])
+    monkeypatch.setattr(monitor, "run_probe", lambda *a: next(probes))
+    mon = monitor.FailSlowMonitor(FailSlowConfig(), group=None, rank=0, world=3, node="n0",
+                                  events=EventLog(tmp_path / "events.jsonl", rank=0))
+    link = Straggler(step=30, cause="link", factor=2.0, slow_rank=None, slow_ranks=[], slow_node=None,
+                     steps_of_evidence=4)
+    try:
+        mon.nodes, mon.courier = ["n0", "n1", "n2"], _Retries()
+        mon._verdict(link, [[0.05, 0.01, 0.0, 0.0, 0.06, 0.0]] * 3)
+        assert mon.stragglers == [] and mon.courier.retried == [([monitor.LINK], monitor.PROBE_RETRY)]
+        mon._verdict(link, [[0.05, 0.01, 0.0, 0.0, 0.06, 0.0]] * 3)
+        [(named, _)] = mon.stragglers
+        assert (named.cause, named.slow_rank, named.slow_node) == ("link", 1, "n1")
+        assert "second_probe" in named.evidence
+    finally:
+        mon.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["failslow_probe", "straggler"], events
+    assert events[0]["evidence"]["unconfirmed_at"] == "n0"
+
+
 def _straggler(factor: float, cause: str = "device") -> Straggler:
     return Straggler(step=100, cause=cause, factor=factor, slow_rank=1, slow_ranks=[1], slow_node="b",
                      steps_of_evidence=5)

@@ -69,6 +69,10 @@ NO_SEAT_RETRY = 30
 # edge alike, once in a few runs); a rank's probe can land in a lull of its slowdown. One miss
 # used to silence the verdict for the whole slowdown (a raised signal stays raised while slow).
 PROBE_RETRY = 4
+# A located link is probed a second time and named only where both probes place it. Why: on
+# a loaded host a clean edge's round trips can stall on scheduling (10x the fastest edge)
+# while a lossy edge's sample misses its retransmission stalls; one CI campaign named the
+# lossy node's neighbour that way. Two probes that disagree are a link not located (retried).
 # A suspected rank (detector.py) is named only if the probe times its compute at least this
 # much slower than the others': higher than a verdict's own probe check (SLOW_COMPUTE), as
 # the timings alone were not sure (a slowed rank measured 4.9-5.6x in the soak).
@@ -179,24 +183,38 @@ class FailSlowMonitor:
         if self.courier is not None:
             self.courier.hold(ranks)
 
+    def _probe(self) -> dict:
+        compute, edges = run_probe(self.group, self.rank, self.world, self.device)
+        self.timer.lap()   # the probe is no step's time
+        return judge(compute, edges, self.nodes)
+
     def _probed(self, s: Straggler) -> Straggler | None:
         """A suspected link, probed: a slow device or host after all, the link located, or
         None: nothing slower than the rest (every edge and rank alike): the whole job's
-        network slowed down, which is no straggler."""
-        compute, edges = run_probe(self.group, self.rank, self.world, self.device)
-        self.timer.lap()   # the probe is no step's time
-        j = judge(compute, edges, self.nodes)
+        network slowed down, which is no straggler; or a located link that a second probe did not
+        place at the same node (see PROBE_RETRY)."""
+        j = self._probe()
         if j["cause"] in ("device", "host"):
             if all(r in self._raised for r in j["slow_ranks"]):
                 return None   # the slow rank the timings already named: its waits, not a link
             self._hold(j["slow_ranks"])
-        elif j["slow_rank"] is None:
-            if self.rank == 0:
-                self.events.emit("failslow_probe", step=s.step, suspected="link", located=False,
-                                 evidence={**s.evidence, **j["evidence"]})
-            if self.courier is not None:
-                self.courier.retry([LINK], PROBE_RETRY)
-            return None
+        else:
+            if j["slow_rank"] is not None:
+                # every rank judges the same all-reduced vectors, so all run the second probe or none
+                again = self._probe()
+                if again["cause"] != "link" or again["slow_node"] != j["slow_node"]:
+                    j = {**j, "slow_rank": None, "evidence": {
+                        **j["evidence"], "unconfirmed_at": j["slow_node"],
+                        "second_probe": {**again["evidence"], "slow_node": again["slow_node"]}}}
+                else:
+                    j["evidence"]["second_probe"] = again["evidence"]
+            if j["slow_rank"] is None:
+                if self.rank == 0:
+                    self.events.emit("failslow_probe", step=s.step, suspected="link", located=False,
+                                     evidence={**s.evidence, **j["evidence"]})
+                if self.courier is not None:
+                    self.courier.retry([LINK], PROBE_RETRY)
+                return None
         evidence = {**s.evidence, **j["evidence"], "probed": True,
                     "probe_factor": round(j["factor"], 3) if j["factor"] else None}
         return Straggler(step=s.step, cause=j["cause"], factor=s.factor, slow_rank=j["slow_rank"],
@@ -209,9 +227,7 @@ class FailSlowMonitor:
         event). A suspect (evidence past the configured level, not past its noise's:
         detector.py) needs the probe to find more. Why every one: on the soak's host, the
         timings alone named ranks nobody had slowed (its own time swings 0-200 ms a step)."""
-        compute, edges = run_probe(self.group, self.rank, self.world, self.device)
-        self.timer.lap()
-        j = judge(compute, edges, self.nodes)
+        j = self._probe()
         evidence = {**s.evidence, **j["evidence"], "probed": True}
         need = SUSPECT_CONFIRM if s.evidence.get("suspected") else SLOW_COMPUTE
         if j["cause"] in ("device", "host") and s.slow_rank in j["slow_ranks"] and j["factor"] >= need:
