@@ -158,20 +158,26 @@ PLAIN = "import torch, torch.distributed as dist\n" \
         "print(f'rank {dist.get_rank()} sum {t.item()}')\n"
 
 
-@pytest.mark.xfail(strict=False, reason="issue 44, open: rank 0's worker (which hosts the attempt's TCPStore: "
-                   "the etcd3 handler turns torch's shared store off) now and then aborts at interpreter exit "
-                   "('terminate called without an active exception', exit -6) when the script never calls "
-                   "destroy_process_group(); seen under load only (1 of ~35 runs here), cause not found")
+# Issue 44, open: rank 0's worker (which hosts the attempt's TCPStore: the etcd3 handler turns
+# torch's shared store off) now and then aborts at interpreter exit ("terminate called without
+# an active exception", exit -6) when the script never calls destroy_process_group(); seen under
+# load only (1 of ~35 runs here), cause not found. Not in CI (an xfail there could not fail and
+# cost 20 s a run); a soak that must pass once it is fixed:
+#   RESILIENT_SOAK_RUNS=40 python3 -m pytest -q tests/test_rendezvous_torchrun.py -k destroy
+SOAK_RUNS = int(os.environ.get("RESILIENT_SOAK_RUNS", "0"))
+
+
+@pytest.mark.skipif(not SOAK_RUNS, reason="a soak (issue 44): set RESILIENT_SOAK_RUNS=N to run it N times")
 def test_a_script_without_destroy_process_group_ends_cleanly_every_time(tmp_path):
     """Issue 44: reported as SIGABRT at interpreter exit ("terminate called without an active
     exception") in 2 of 3 runs of this script, rank 0's worker hosting its own store (the
-    etcd3 handler turns torch's shared store off). Three runs, each must exit 0 on every rank."""
+    etcd3 handler turns torch's shared store off). SOAK_RUNS runs, each must exit 0 on every rank."""
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     env.update(OMP_NUM_THREADS="1")
     with embedded_etcd() as etcd:
-        for attempt in range(3):
+        for attempt in range(SOAK_RUNS):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=etcd3",
                    f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={unique_run_id('plain')}",
                    "--nnodes=1", "--nproc-per-node=2", f"--log-dir={tmp_path / f'log{attempt}'}", str(script)]
