@@ -15,14 +15,17 @@ safe, every agent ends on the same endpoint whatever its timing). The owner's et
   launch``: wait for the other agents of the run to leave, so that their last calls
   succeed at once instead of retrying against a dead etcd).
 
-The embedded etcd lives in its owner's process tree: losing that agent ends the job for
-everyone (the README says so; an external etcd cluster through ``--rdzv-endpoint`` has no
-such node).
+With ``members`` above 1 (``launch.etcd_members``, 3 by default) the owner's etcd is only the
+first member: the agents that join grow it into a cluster of that many members, one per agent
+(:mod:`resilient.control.members`), and from the third agent on losing any one agent leaves the
+job training. With fewer agents the job depends on the first one (said at start), as with
+``members = 1``, where the embedded etcd lives in its owner's process tree alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -30,9 +33,13 @@ from typing import Callable, Iterator
 
 from resilient.control.api import ClaimSettings
 from resilient.control.claim import RunDirClaim, control_dir
+from resilient.control.members import ClusterMember, MemberSettings, voter_endpoints
 from resilient.errors import LaunchError
 
-__all__ = ["embedded_etcd", "client_kwargs", "JOIN_CHECK"]
+__all__ = ["embedded_etcd", "client_kwargs", "JOIN_CHECK", "AUTO_SYNC"]
+# How often the clients of an embedded etcd ask it for its members (EtcdClient auto_sync): a
+# member that joined is known to every client this long after, before another can be lost.
+AUTO_SYNC = timedelta(seconds=5)
 # How long a joining agent waits for the owner's etcd to answer its first request: the
 # owner published only once its etcd answered, so this covers a restart by its watch.
 JOIN_CHECK = timedelta(seconds=30)
@@ -51,10 +58,13 @@ def client_kwargs(conf: dict[str, str]) -> dict[str, str]:
 @contextlib.contextmanager
 def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
                   before_stop: Callable[[object], None] | None = None,
-                  settings: ClaimSettings = ClaimSettings()) -> Iterator[str]:
-    """The endpoint of ``run_dir``'s embedded etcd: this agent's own if its claim wins (then it
+                  settings: ClaimSettings = ClaimSettings(), members: int | MemberSettings = 1,
+                  node: str = "") -> Iterator[str]:
+    """The endpoint(s) of ``run_dir``'s embedded etcd: this agent's own if its claim wins (then it
     runs for the life of the ``with``, and ``before_stop(etcd)`` runs at its end, the etcd still
-    up), else the owner's. ``standalone``: always our own, shared with nobody (no claim)."""
+    up), else the owner's (with ``members`` above 1, the cluster's voting members, this agent's
+    own member among them once it joined). ``standalone``: always our own, shared with nobody
+    (no claim, one member). ``node``: this agent's name in its member's name."""
     from resilient.etcd import EtcdAuthError, EtcdClient, EtcdError
     from resilient.etcd.server import embedded_etcd_conf
 
@@ -62,10 +72,12 @@ def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
     # the owner's etcd and workers read (it is refused below, but only after deriving its own).
     tls_dir = control_dir(run_dir) / f"{TLS_DIR}-{secret.fingerprint}"
     conf = embedded_etcd_conf(secret, tls_dir)   # the CA and our client certificate, derived
+    msettings = members if isinstance(members, MemberSettings) else MemberSettings(members=members)
     if standalone:
         with _own_etcd(secret, tls_dir) as etcd:
             yield etcd.endpoint
         return
+    node = node or f"agent-{os.getpid()}"
     claim = RunDirClaim(run_dir, secret, settings, _say)
     owner = claim.join()
     if owner is not None:
@@ -84,31 +96,72 @@ def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
                 f"That agent is alive: check it (`ps -o pid,stat,args -p {owner.pid}`); if it is stuck, stop it "
                 f"and launch every node of the run again") from None
         _say(f"joined the embedded etcd at {owner.endpoint} of agent pid {owner.pid} (run dir {run_dir})")
-        yield owner.endpoint
+        if msettings.members <= 1:
+            yield owner.endpoint
+            return
+        member = _cluster_member(owner.endpoint, conf, secret, tls_dir, node, msettings)
+        try:
+            try:
+                member.join()
+            except (EtcdError, LaunchError) as e:
+                _say(f"this agent runs no etcd member ({e}); it is a client of the run dir's etcd cluster")
+            member.start_tending()
+            yield voter_endpoints(member.client.members()) or owner.endpoint
+        finally:
+            member.leave()
+            member.client.close()
         return
     try:
-        with _own_etcd(secret, tls_dir) as etcd:
+        cluster = msettings.members > 1
+        with _own_etcd(secret, tls_dir, election_ms=msettings.election_ms if cluster else None) as etcd:
             claim.publish(etcd.endpoint)
+            member = _cluster_member(etcd.endpoint, conf, secret, tls_dir, node, msettings) if cluster else None
+            if member is not None:
+                member.mark(member.client.member_id())
+                member.start_tending()
             _say(f"embedded etcd at {etcd.endpoint}, with client TLS and authentication from the job secret (other "
-                 "agents on this machine: the same --run-dir, started in any order). It lives in this agent: "
-                 "losing this node ends the job for every node (an etcd cluster through --rdzv-endpoint has no "
-                 "such node)")
+                 "agents on this machine: the same --run-dir, started in any order). " + (
+                     f"It grows into a cluster of {msettings.members} members as agents join (launch.etcd_members); "
+                     f"until {msettings.members} agents run, the job depends on this first agent: losing it ends "
+                     "the job for every node, keeping what was committed" if cluster else
+                     "It lives in this agent: losing this node ends the job for every node "
+                     "(launch.etcd_members = 3, or an etcd cluster through --rdzv-endpoint, has no such node)"))
             try:
                 yield etcd.endpoint
             finally:
                 if before_stop is not None:
                     before_stop(etcd)
+                if member is not None:
+                    member.leave()
+                    member.client.close()
     finally:
         claim.release()
 
 
+def _cluster_member(endpoint: str, conf: dict[str, str], secret, tls_dir: Path, node: str,
+                    settings: MemberSettings) -> ClusterMember:
+    from resilient.etcd import EmbeddedEtcd, EtcdClient
+    from resilient.etcd.server import embedded_tls
+
+    def make_etcd(name: str, join: list[tuple[str, str]]) -> EmbeddedEtcd:
+        return EmbeddedEtcd(root_password=secret.etcd_password, tls=embedded_tls(secret, tls_dir, server=True),
+                            name=name, join=join, extra_args=[f"--election-timeout={settings.election_ms}"])
+
+    def probe(url: str) -> EtcdClient:
+        return EtcdClient(url, retry_timeout=settings.probe, request_timeout=settings.probe, **client_kwargs(conf))
+
+    client = EtcdClient(endpoint, auto_sync=AUTO_SYNC, **client_kwargs(conf))
+    return ClusterMember(client, node, make_etcd, probe, settings, _say)
+
+
 @contextlib.contextmanager
-def _own_etcd(secret, tls_dir: Path):
+def _own_etcd(secret, tls_dir: Path, election_ms: int | None = None):
     from resilient.etcd import EmbeddedEtcd
     from resilient.etcd.server import embedded_tls
 
     tls = embedded_tls(secret, tls_dir, server=True)
-    with EmbeddedEtcd(root_password=secret.etcd_password, tls=tls) as etcd:
+    extra = [f"--election-timeout={election_ms}"] if election_ms else []
+    with EmbeddedEtcd(root_password=secret.etcd_password, tls=tls, extra_args=extra) as etcd:
         def restarted(code: int | None, seconds: float) -> None:
             _say(f"the embedded etcd at {etcd.endpoint} died (exit code {code}); restarted it on the same ports "
                  f"and data in {seconds:.1f} s, the job goes on")
