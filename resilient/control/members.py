@@ -88,9 +88,10 @@ class ClusterMember:
     node that joins the members ``join`` (its ports not chosen yet)."""
 
     def __init__(self, client, node: str, make_etcd: Callable, probe_client: Callable[[str], object],
-                 settings: MemberSettings = MemberSettings(), say: Callable[[str], None] = log.info) -> None:
+                 settings: MemberSettings = MemberSettings(), say: Callable[[str], None] = log.info,
+                 on_change: Callable[[list[dict]], None] | None = None) -> None:
         self.client, self.node, self.make_etcd, self.probe_client = client, node, make_etcd, probe_client
-        self.settings, self.say = settings, say
+        self.settings, self.say, self.on_change = settings, say, on_change
         self.etcd = None           # our member's server, when we run one (not the owner's: the plane keeps that)
         self.member_id: int | None = None
         self._mark_lease = None
@@ -138,20 +139,32 @@ class ClusterMember:
                          "its agent is gone and it does not answer")
             except EtcdError as e:
                 log.warning("could not remove the dead etcd member %s: %s", m["ID"], e)
+            self.changed()
         return self.client.members()
+
+    def changed(self) -> None:
+        """Tell ``on_change`` the members now (the plane seals them in the run dir, where an
+        agent that claims the run dir after the first one is gone finds the cluster)."""
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(self.client.members())
+        except (EtcdError, OSError) as e:
+            log.debug("recording the etcd members: %s", e)
 
     # ------------------------------------------------------------ the guard
     @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
+    def _guard(self, wait: timedelta | None = None) -> Iterator[None]:
+        wait = self.settings.guard_wait if wait is None else wait
         lease = self.client.lease(timedelta(seconds=30))
-        deadline = time.monotonic() + self.settings.guard_wait.total_seconds()
+        deadline = time.monotonic() + wait.total_seconds()
         try:
             while not self.client.compare_and_swap(GUARD, f"{self.node} {os.getpid()}", mod_revision=None,
                                                    lease=lease).succeeded:
                 if time.monotonic() > deadline or self._stop.is_set():
                     raise LaunchError(
                         f"another agent has been changing this run dir's etcd members for "
-                        f"{self.settings.guard_wait.total_seconds():.0f} s (key {GUARD}); this agent goes on "
+                        f"{wait.total_seconds():.0f} s (key {GUARD}); this agent goes on "
                         "as a client of the cluster without a member of its own")
                 time.sleep(0.5)
             yield
@@ -214,6 +227,7 @@ class ClusterMember:
             if voters + 1 >= self.settings.members and self._promote(added):
                 role = f"a voting member ({voters + 1} of {self.settings.members})"
             self.say(f"this agent's etcd member {etcd.endpoint} joined the run dir's etcd cluster as {role}")
+            self.changed()
             return True
 
     # ------------------------------------------------------------ tending and leaving
@@ -246,22 +260,27 @@ class ClusterMember:
         self._left.wait(60)
 
     def leave(self) -> None:
-        """At the end: stop tending, remove the dead members and ours, then stop our etcd.
-        Bounded: a cluster without quorum is left as it is."""
+        """At the end: stop tending; under the guard, remove the members that do not answer (a
+        lost agent's, whose mark may not have lapsed yet) and then ours, unless ours is the last;
+        then stop our etcd. In that order, one agent at a time: the agents still there keep a
+        quorum for their last calls. Bounded: a cluster without quorum is left as it is."""
         self._stop.set()
         # Short bounds from here: a cluster that lost its quorum must not hold the agent's exit.
         self.client.retry_timeout = min(self.client.retry_timeout, timedelta(seconds=5))
         with self._lock:
-            try:
-                if self.member_id is not None:
-                    members = self.client.members()
-                    for m in self.dead_members(members):
-                        with contextlib.suppress(EtcdError):
-                            self.client.member_remove(m["ID"], retry_timeout=timedelta(seconds=5))
-                    if len(members) > 1:
-                        self.client.member_remove(self.member_id, retry_timeout=timedelta(seconds=5))
-            except (EtcdError, EtcdUnavailable) as e:
-                log.info("leaving the etcd cluster: %s", e)
+            if self.member_id is not None:
+                try:
+                    with self._guard(wait=timedelta(seconds=30)):
+                        for m in self.client.members():
+                            if int(m["ID"]) != self.member_id and not self._answers(m):
+                                self.client.member_remove(m["ID"])
+                                self.say(f"removed etcd member {m.get('name') or m['ID']}: it does not answer")
+                        members = self.client.members()
+                        if len(members) > 1 and any(int(m["ID"]) == self.member_id for m in members):
+                            self.client.member_remove(self.member_id)
+                            self.changed()
+                except (EtcdError, LaunchError) as e:
+                    log.info("leaving the etcd cluster: %s", e)
             if self._mark_lease is not None:
                 with contextlib.suppress(EtcdError):
                     self._mark_lease.revoke()

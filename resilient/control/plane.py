@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from resilient.control.api import ClaimSettings
-from resilient.control.claim import RunDirClaim, control_dir
+from resilient.control.claim import CONTROL_DIR, RunDirClaim, control_dir
 from resilient.control.members import ClusterMember, MemberSettings, voter_endpoints
 from resilient.errors import LaunchError
+from resilient.rundir import write_private
 
 __all__ = ["embedded_etcd", "client_kwargs", "JOIN_CHECK", "AUTO_SYNC"]
 # How often the clients of an embedded etcd ask it for its members (EtcdClient auto_sync): a
@@ -99,25 +100,26 @@ def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
         if msettings.members <= 1:
             yield owner.endpoint
             return
-        member = _cluster_member(owner.endpoint, conf, secret, tls_dir, node, msettings)
-        try:
-            try:
-                member.join()
-            except (EtcdError, LaunchError) as e:
-                _say(f"this agent runs no etcd member ({e}); it is a client of the run dir's etcd cluster")
-            member.start_tending()
-            yield voter_endpoints(member.client.members()) or owner.endpoint
-        finally:
-            member.leave()
-            member.client.close()
+        with _join_cluster(owner.endpoint, run_dir, conf, secret, tls_dir, node, msettings) as endpoints:
+            yield endpoints
         return
     try:
         cluster = msettings.members > 1
+        # The claim's last owner is gone, but the cluster it started may live on in the agents
+        # that joined it (issue 38: no node is special): join it, never start a second one.
+        alive = _live_cluster(run_dir, secret, conf) if cluster else None
+        if alive is not None:
+            claim.publish(alive.split(",")[0])
+            _say(f"the run dir's etcd cluster ({alive}) outlived the agent that started it; this agent joins it")
+            with _join_cluster(alive, run_dir, conf, secret, tls_dir, node, msettings) as endpoints:
+                yield endpoints
+            return
         with _own_etcd(secret, tls_dir, election_ms=msettings.election_ms if cluster else None) as etcd:
             claim.publish(etcd.endpoint)
-            member = _cluster_member(etcd.endpoint, conf, secret, tls_dir, node, msettings) if cluster else None
+            member = _cluster_member(etcd.endpoint, run_dir, conf, secret, tls_dir, node, msettings) if cluster else None
             if member is not None:
                 member.mark(member.client.member_id())
+                member.changed()
                 member.start_tending()
             _say(f"embedded etcd at {etcd.endpoint}, with client TLS and authentication from the job secret (other "
                  "agents on this machine: the same --run-dir, started in any order). " + (
@@ -138,7 +140,61 @@ def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
         claim.release()
 
 
-def _cluster_member(endpoint: str, conf: dict[str, str], secret, tls_dir: Path, node: str,
+@contextlib.contextmanager
+def _join_cluster(endpoint: str, run_dir, conf: dict[str, str], secret, tls_dir: Path, node: str,
+                  msettings: MemberSettings) -> Iterator[str]:
+    """Add this agent's member to the cluster at ``endpoint`` (when it has room), tend it, and
+    yield the voting members' endpoints; remove the member at the end."""
+    from resilient.etcd import EtcdError
+
+    member = _cluster_member(endpoint, run_dir, conf, secret, tls_dir, node, msettings)
+    try:
+        try:
+            member.join()
+        except (EtcdError, LaunchError) as e:
+            _say(f"this agent runs no etcd member ({e}); it is a client of the run dir's etcd cluster")
+        member.start_tending()
+        yield voter_endpoints(member.client.members()) or endpoint
+    finally:
+        member.leave()
+        member.client.close()
+
+
+MEMBERS = "members.json"            # the voting members' endpoints, sealed: what a new claimant joins
+MEMBERS_PURPOSE = "control-plane-members"
+
+
+def _write_members(run_dir, secret, members: list[dict]) -> None:
+    endpoints = voter_endpoints(members)
+    if endpoints:
+        write_private(control_dir(run_dir) / MEMBERS, secret.seal_record(
+            MEMBERS_PURPOSE, f"{CONTROL_DIR}/{MEMBERS}", {"endpoints": endpoints.split(",")}))
+
+
+def _live_cluster(run_dir, secret, conf: dict[str, str]) -> str | None:
+    """The endpoints of the run dir's etcd cluster (its sealed members record) when a majority
+    of it still answers (a quorum read), else None: none, stale, or not ours."""
+    from resilient.etcd import EtcdClient, EtcdError
+    from resilient.secret import Unauthentic
+
+    try:
+        raw = (control_dir(run_dir) / MEMBERS).read_bytes()
+        endpoints = [str(e) for e in secret.open_record(MEMBERS_PURPOSE, f"{CONTROL_DIR}/{MEMBERS}", raw)["endpoints"]]
+    except (OSError, Unauthentic, KeyError, TypeError):
+        return None
+    if len(endpoints) < 2:
+        return None   # a lone member died with its agent
+    try:
+        with EtcdClient(",".join(endpoints), retry_timeout=timedelta(seconds=5), request_timeout=timedelta(seconds=3),
+                        **client_kwargs(conf)) as c:
+            c.revision()   # linearizable: answered only by a cluster with a quorum
+            answered = endpoints[c._current % len(endpoints)]
+    except EtcdError:
+        return None
+    return ",".join([answered, *(e for e in endpoints if e != answered)])   # the record names one that answered
+
+
+def _cluster_member(endpoint: str, run_dir, conf: dict[str, str], secret, tls_dir: Path, node: str,
                     settings: MemberSettings) -> ClusterMember:
     from resilient.etcd import EmbeddedEtcd, EtcdClient
     from resilient.etcd.server import embedded_tls
@@ -151,7 +207,8 @@ def _cluster_member(endpoint: str, conf: dict[str, str], secret, tls_dir: Path, 
         return EtcdClient(url, retry_timeout=settings.probe, request_timeout=settings.probe, **client_kwargs(conf))
 
     client = EtcdClient(endpoint, auto_sync=AUTO_SYNC, **client_kwargs(conf))
-    return ClusterMember(client, node, make_etcd, probe, settings, _say)
+    return ClusterMember(client, node, make_etcd, probe, settings, _say,
+                         on_change=lambda members: _write_members(run_dir, secret, members))
 
 
 @contextlib.contextmanager
