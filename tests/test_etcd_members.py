@@ -10,12 +10,12 @@ import os
 import secrets
 import shutil
 import signal
-from pathlib import Path
 
 import pytest
 
 from launchutil import REPO, Agent, digests, events, run_launch, steps_done, wait_for
 from resilient.control.claim import peek_owner
+from resilient.etcd.server import etcd_started_by
 from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import reclaim
 
@@ -23,23 +23,6 @@ EXAMPLE = REPO / "examples" / "fsdp2_train.py"
 STEPS = 40
 SETS = ["snapshot.every=1", "snapshot.durable_every=1000", "snapshot.replicas=1", "launch.heartbeat_timeout=60"]
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(420)]
-
-
-def etcd_of(agent_pid: int) -> tuple[int, Path] | None:
-    """(pid, data dir) of the etcd an agent started (its child; setpriv execs etcd)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == agent_pid and argv and Path(argv[0].decode()).name == "etcd":
-            data = [a.decode().split("=", 1)[1] for a in argv if a.startswith(b"--data-dir=")]
-            return int(entry.name), Path(data[0])
-    return None
 
 
 @pytest.fixture
@@ -73,14 +56,15 @@ def test_first_agent_lost_with_its_etcd_member_and_data_the_others_finish_bitwis
         wait_for(lambda: steps_done(run) >= 4 and [e for e in events(run, "commit") if e["tier"] == "peer"],
                  180, "replicated memory commits")
         assert steps_done(run) < STEPS - 5, "the run ended before the fault: raise STEPS or --pace"
-        etcd = etcd_of(a.proc.pid)
-        assert etcd is not None, "the first agent's etcd member"
+        etcds = etcd_started_by(a.proc.pid)
+        assert len(etcds) == 1, f"the first agent's etcd member: {etcds}"
+        (etcd_pid, data), = etcds
         a.kill_node()
         try:
-            os.kill(etcd[0], signal.SIGKILL)
+            os.kill(etcd_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass   # gone with its agent already (pdeathsig)
-        shutil.rmtree(etcd[1])
+        shutil.rmtree(data.parent if data.name == "data" else data)   # its data dir, log and all
         assert b.wait(300) == 0, b.output()[-3000:]
         assert c.wait(120) == 0, c.output()[-3000:]
         stops = {e["node"]: e["reason"] for e in events(run, "agent_stop")}

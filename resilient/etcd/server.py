@@ -191,6 +191,26 @@ def _is_script(path: Path) -> bool:
         return True
 
 
+def etcd_started_by(pid: int) -> list[tuple[int, Path]]:
+    """(pid, data dir) of each etcd server that process ``pid`` started (its children: setpriv
+    execs etcd in place), for the harnesses that take a node down with its etcd member and
+    that member's data (tests/test_etcd_members.py, the chaos kind first-agent-lost)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if ppid == pid else []
+        except (OSError, ValueError, IndexError):
+            continue
+        if argv and Path(argv[0].decode(errors="replace")).name == "etcd":
+            data = [a.decode().split("=", 1)[1] for a in argv if a.startswith(b"--data-dir=")]
+            if data:
+                found.append((int(entry.name), Path(data[0])))
+    return found
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port the OS considers free right now (bind to port 0, read it back)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
