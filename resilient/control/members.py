@@ -154,14 +154,14 @@ class ClusterMember:
 
     # ------------------------------------------------------------ the guard
     @contextlib.contextmanager
-    def _guard(self, wait: timedelta | None = None) -> Iterator[None]:
+    def _guard(self, wait: timedelta | None = None, leaving: bool = False) -> Iterator[None]:
         wait = self.settings.guard_wait if wait is None else wait
         lease = self.client.lease(timedelta(seconds=30))
         deadline = time.monotonic() + wait.total_seconds()
         try:
             while not self.client.compare_and_swap(GUARD, f"{self.node} {os.getpid()}", mod_revision=None,
                                                    lease=lease).succeeded:
-                if time.monotonic() > deadline or self._stop.is_set():
+                if time.monotonic() > deadline or (self._stop.is_set() and not leaving):
                     raise LaunchError(
                         f"another agent has been changing this run dir's etcd members for "
                         f"{wait.total_seconds():.0f} s (key {GUARD}); this agent goes on "
@@ -182,8 +182,11 @@ class ClusterMember:
                 self.client.member_promote(member["ID"])
                 return True
             except EtcdError as e:
-                if "not found" in str(e).lower() or "not a learner" in str(e).lower():
-                    return "not a learner" in str(e).lower()
+                text = str(e).lower()
+                if "member not found" in text:
+                    return False   # removed meanwhile (its agent is gone)
+                if "can only promote a learner" in text and "in sync" not in text:
+                    return True    # a voting member already
                 if time.monotonic() > deadline:
                     log.warning("etcd learner %s did not catch up in %s: it stays a learner (%s)",
                                 member.get("name") or member["ID"], self.settings.catch_up, e)
@@ -234,6 +237,10 @@ class ClusterMember:
     def tend(self) -> None:
         """One look: remove dead members; join if we have no member and the cluster has room."""
         try:
+            if self._mark_lease is not None and self._mark_lease.expired and self.member_id is not None:
+                # This agent stalled past the mark's lease (a loaded host): mark our member again.
+                self._mark_lease = None
+                self.mark(self.member_id)
             members = self.client.members()
             if self.dead_members(members):
                 with self._lock, self._guard():
@@ -270,7 +277,7 @@ class ClusterMember:
         with self._lock:
             if self.member_id is not None:
                 try:
-                    with self._guard(wait=timedelta(seconds=30)):
+                    with self._guard(wait=timedelta(seconds=30), leaving=True):
                         for m in self.client.members():
                             if int(m["ID"]) != self.member_id and not self._answers(m):
                                 self.client.member_remove(m["ID"])
