@@ -20,7 +20,7 @@ from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import reclaim
 
 EXAMPLE = REPO / "examples" / "fsdp2_train.py"
-STEPS = 40
+STEPS = 50
 SETS = ["snapshot.every=1", "snapshot.durable_every=1000", "snapshot.replicas=1", "launch.heartbeat_timeout=60"]
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(420)]
 
@@ -42,7 +42,7 @@ def test_first_agent_lost_with_its_etcd_member_and_data_the_others_finish_bitwis
 
     def start(node: str) -> Agent:
         agents[node] = Agent(EXAMPLE, run, SETS, node, nnodes="2", nproc=1,
-                             script_args=["--steps", str(STEPS), "--pace", "0.15"])
+                             script_args=["--steps", str(STEPS), "--pace", "0.2"])
         return agents[node]
 
     try:

@@ -206,7 +206,9 @@ def _cluster_member(endpoint: str, run_dir, conf: dict[str, str], secret, tls_di
     def probe(url: str) -> EtcdClient:
         return EtcdClient(url, retry_timeout=settings.probe, request_timeout=settings.probe, **client_kwargs(conf))
 
-    client = EtcdClient(endpoint, auto_sync=AUTO_SYNC, **client_kwargs(conf))
+    # A short retry budget: its calls are reconfigurations and looks, each retried on its own
+    # terms; at exit, a cluster without quorum must not hold the agent for long.
+    client = EtcdClient(endpoint, auto_sync=AUTO_SYNC, retry_timeout=timedelta(seconds=10), **client_kwargs(conf))
     return ClusterMember(client, node, make_etcd, probe, settings, _say,
                          on_change=lambda members: _write_members(run_dir, secret, members))
 
