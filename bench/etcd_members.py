@@ -34,15 +34,16 @@ from resilient.etcd.cluster import EtcdCluster  # noqa: E402
 
 def member_loss(cluster: EtcdCluster) -> float:
     """Kill the leader; seconds until a write through the other members succeeds."""
-    client = cluster.members[0].client(retry_timeout=timedelta(seconds=30))
-    status = client._post("/maintenance/status", {}, "status")
-    leader = int(status["leader"])
-    victim = next(m for m in cluster.members
-                  if int(m.client(retry_timeout=timedelta(seconds=5)).member_id()) == leader)
-    client.close()
-    others = ",".join(m.endpoint for m in cluster.members if m is not victim)
     from resilient.etcd.client import EtcdClient
 
+    def member_id(m) -> int:
+        with m.client(retry_timeout=timedelta(seconds=5)) as c:
+            return c.member_id()
+
+    with cluster.members[0].client(retry_timeout=timedelta(seconds=30)) as c:
+        leader = int(c._post("/maintenance/status", {}, "status")["leader"])
+    victim = next(m for m in cluster.members if member_id(m) == leader)
+    others = ",".join(m.endpoint for m in cluster.members if m is not victim)
     with EtcdClient(others, retry_timeout=timedelta(seconds=60)) as c:
         c.put("/bench/warm", "1")
         t = time.monotonic()
