@@ -133,6 +133,8 @@ def make_injector(f: PlannedFault, job: JobHandles) -> Injector:
     if k in ("slow-rank", "slow-host"):
         src = (lambda: job.rank_pid(t.index)) if k == "slow-rank" else (lambda: job.node_pid(t.index))
         return SlowProcess(src, factor=p.factor, period=timedelta(milliseconds=p.period_ms), tree=k == "slow-host", **kw)
+    if k == "first-agent-lost":
+        return first_agent_lost(job, p, **kw)
     if k == "agent-stall":
         return AgentStall(lambda: job.node_pid(t.index), stall=timedelta(seconds=p.stall_seconds),
                           run=timedelta(seconds=p.run_seconds), **kw)
@@ -147,6 +149,34 @@ def make_injector(f: PlannedFault, job: JobHandles) -> Injector:
     if k == "scale-up":
         return Action(k, do=lambda: job.start_node(t.index), check=lambda: job.node_alive(t.index), settle=timedelta(seconds=60), **kw)
     raise ValueError(f"no injector for fault kind {k!r}")
+
+
+def first_agent_lost(job: JobHandles, p, **kw: Any) -> Injector:
+    """kill -9 of the tree of the agent that holds the run dir's control-plane claim (the one
+    that started its embedded etcd; its etcd member is its child), and that member's data dir
+    and the node's RAM store deleted: a lost first machine (issue 38)."""
+    from resilient.control.claim import peek_owner
+    from resilient.etcd.server import etcd_started_by
+
+    def owner() -> int:
+        rec = peek_owner(job.run_dir)
+        if rec is None:
+            raise InjectionFailed(f"no live agent holds the control-plane claim of {job.run_dir}")
+        return rec.pid
+
+    def lost_with_it() -> list[str]:
+        pid = owner()
+        paths = [str(d.parent if d.name == "data" else d) for _, d in etcd_started_by(pid)] if p.remove_data else []
+        # A LocalJob knows its agents' pids and node stores; another JobHandles may not.
+        name = getattr(job, "agent_pids", {}).get(pid, "")
+        n = job.node_index(name) if name and hasattr(job, "node_index") else None
+        if p.remove_shm and n is not None and hasattr(job, "node_store"):
+            paths.append(str(job.node_store(n)))
+        return paths
+
+    inj = KillProcess(owner, tree=True, shm_paths=lost_with_it, **kw)
+    inj.kind = "first-agent-lost"
+    return inj
 
 
 def _nodes(job: JobHandles) -> int:

@@ -169,7 +169,8 @@ class LocalJob:
         k = self.launches.get(n, 0)
         self.launches[n] = k + 1
         cmd = [sys.executable, "-m", "resilient.cli", "launch", str(self.config), "--run-dir", str(self.run_dir),
-               "--node-id", self.node_id(n), "--nnodes", self.nnodes, "--rdzv-endpoint", self.endpoint,
+               "--node-id", self.node_id(n), "--nnodes", self.nnodes,
+               *(["--rdzv-endpoint", self.endpoint] if self.endpoint else []),   # none: the embedded etcd
                "--nproc-per-node", str(self.nproc), "--domain", self.domains[n % len(self.domains)], "--run-id", self.run_id]
         for o in self.overrides:
             cmd += ["--set", o]

@@ -73,6 +73,7 @@ SURVIVING_TIERS: dict[str, tuple[str, ...]] = {
     "slow-host": ALL_TIERS,
     "slow-link": ALL_TIERS,
     "agent-stall": ALL_TIERS,  # stalled, never lost: nothing is restored
+    "first-agent-lost": ("peer", "durable"),   # a lost node: its RAM is gone
     "failure": ("durable",),  # a failure the harness did not cause
     "start": ("durable",),    # a resume at launch
 }

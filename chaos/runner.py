@@ -26,6 +26,7 @@ the harness).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import threading
@@ -89,6 +90,14 @@ class RunOutcome:
                 "final": self.final.to_dict() if self.final else None}
 
 
+class _NoEtcd:
+    """The runner's etcd when the agents run their own (topology.etcd = "embedded")."""
+
+    members: list = []
+    ports: list[int] = []
+    endpoints: list[str] = []
+
+
 def _run_job(sc: Scenario, run_dir: Path, overrides: list[str], *, spares: int, plan: list[PlannedFault] | None,
              infra: Infra | None, budget: timedelta) -> RunOutcome:
     """Start etcd and the agents, fire ``plan`` (if any), wait for the end
@@ -100,7 +109,9 @@ def _run_job(sc: Scenario, run_dir: Path, overrides: list[str], *, spares: int, 
     members = sc.topology.etcd_members if plan is not None else 1
     t0 = time.monotonic()
     driver: FaultDriver | None = None
-    with EtcdService(members, host=host) as etcd:
+    embedded = sc.topology.etcd == "embedded"
+    # topology.etcd = "embedded": no etcd of the runner; the agents run their own (no --rdzv-endpoint).
+    with (contextlib.nullcontext(_NoEtcd()) if embedded else EtcdService(members, host=host)) as etcd:
         if any(f.kind == "embedded-etcd-kill" for f in plan or ()):
             for m in etcd.members:  # as resilient launch watches the etcd it embeds
                 m.watch()

@@ -154,6 +154,16 @@ class AgentStallParams:
 
 
 @dataclass
+class FirstAgentLostParams:
+    """first-agent-lost: the agent whose claim runs the run dir's embedded etcd (the first one)
+    lost with its machine: kill -9 of its process tree, its etcd member among it, and that
+    member's data dir and the node's RAM store deleted (needs topology.etcd = 'embedded')."""
+
+    remove_data: bool = knob(True, "delete the lost etcd member's data dir, as a lost machine loses its disk")
+    remove_shm: bool = knob(True, "delete the node's RAM store, as a lost machine loses its RAM")
+
+
+@dataclass
 class SlowLinkParams:
     """slow-link: a low rate of dropped packets into one node (or from one peer): TCP
     retransmits stretch every transfer through it (needs topology.network = 'netns')."""
@@ -192,8 +202,12 @@ PARAMS_BY_KIND: dict[str, type] = {
     "slow-host": SlowParams,
     "slow-link": SlowLinkParams,
     "agent-stall": AgentStallParams,
+    "first-agent-lost": FirstAgentLostParams,
 }
 FAULT_KINDS = tuple(PARAMS_BY_KIND)
+# Kinds that need the agents' own embedded etcd (topology.etcd = "embedded", loopback): not in
+# the soak, whose nodes live in network namespaces behind the runner's proxied etcd.
+EMBEDDED_ETCD_KINDS = ("first-agent-lost",)
 
 # What a target string may name, per kind: "rank:3", "node:1", "node:random",
 # "link:0-1", "etcd:0", "etcd", "durable", "rendezvous".
@@ -205,6 +219,7 @@ _TARGET_SCOPES = {
     "bitflip": ("rank",), "disk-full": ("durable", "local"), "store-full": ("local",), "scale-down": ("node",), "scale-up": ("node",),
     "slow-rank": ("rank",), "slow-host": ("node",), "slow-link": ("node", "link"),
     "agent-stall": ("node",),
+    "first-agent-lost": ("etcd",),
 }
 
 
@@ -271,7 +286,8 @@ class Topology:
     min_nodes: int = knob(0, "--nnodes MIN; 0 = nodes (no shrinking below the start size)")
     failure_domains: list[str] = _many(list, "failure domain of each node (rack/zone label); empty = one domain per node")
     network: str = knob("loopback", "loopback: every node on 127.0.0.1; netns: each node in its own network namespace (needed for partition, link-cut, packet-loss)", choices=("loopback", "netns"))
-    etcd_members: int = knob(1, "etcd members started for the rendezvous")
+    etcd_members: int = knob(1, "etcd members started for the rendezvous (topology.etcd = 'external')")
+    etcd: str = knob("external", "external: the runner starts etcd_members members and every agent gets --rdzv-endpoint; embedded: no --rdzv-endpoint, the agents' own embedded etcd, grown into a cluster of launch.etcd_members (needed for first-agent-lost; loopback only)", choices=("external", "embedded"))
     proxy: list[str] = _many(list, "services reached through the TCP proxy (needed for delay/bandwidth/reset): 'etcd', 'rendezvous'")
     rdzv_conf: list[str] = _many(list, "extra `--rdzv-conf` settings of every agent, e.g. 'store_timeout=20'")
 
@@ -460,6 +476,11 @@ def _validate_fault(f: FaultSpec, i: int, sc: Scenario) -> None:
         raise ConfigError(f"{src}: {where} ({f.kind}) needs topology.network = 'netns'")
     if f.kind in ("delay", "bandwidth", "reset") and t.scope not in sc.topology.proxy:
         raise ConfigError(f"{src}: {where} ({f.kind} on {t.scope}) needs topology.proxy to include '{t.scope}'")
+    embedded = sc.topology.etcd == "embedded"
+    if f.kind == "first-agent-lost" and not embedded:
+        raise ConfigError(f"{src}: {where} (first-agent-lost) needs topology.etcd = 'embedded': the agents' own etcd")
+    if embedded and f.kind in ("etcd-loss", "embedded-etcd-kill", "delay", "bandwidth", "reset"):
+        raise ConfigError(f"{src}: {where} ({f.kind}) acts on the runner's etcd or its proxy: topology.etcd = 'external'")
     if f.kind == "etcd-loss" and p.members > sc.topology.etcd_members:
         raise ConfigError(f"{src}: {where} stops {p.members} etcd members but topology.etcd_members = {sc.topology.etcd_members}")
 
@@ -482,6 +503,9 @@ def scenario_from_dict(table: dict, source: str = "<dict>") -> Scenario:
         raise ConfigError(f"{source}: topology.failure_domains names {len(topo.failure_domains)} domains for {topo.nodes + topo.spares} nodes (nodes + spares)")
     if topo.min_nodes > topo.nodes:
         raise ConfigError(f"{source}: topology.min_nodes = {topo.min_nodes} exceeds nodes = {topo.nodes}")
+    if topo.etcd == "embedded" and (topo.network != "loopback" or topo.proxy):
+        raise ConfigError(f"{source}: topology.etcd = 'embedded' runs on loopback without a proxy (its members "
+                          "listen on 127.0.0.1): network = 'loopback', proxy = []")
     for svc in topo.proxy:
         if svc not in ("etcd", "rendezvous"):
             raise ConfigError(f"{source}: topology.proxy entry {svc!r} is not 'etcd' or 'rendezvous'")

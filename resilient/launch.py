@@ -342,7 +342,7 @@ LEAVE_WAIT = timedelta(seconds=15)
 
 @contextlib.contextmanager
 def etcd_endpoint(args: argparse.Namespace, run_dir: Path, run_id: str | None = None,
-                  node: str | None = None, secret=None) -> Iterator[str]:
+                  node: str | None = None, secret=None, members: int = 1) -> Iterator[str]:
     """The etcd to rendezvous through: given (``--rdzv-endpoint``, the operator's to secure),
     else the run dir's embedded etcd, owned by one of its agents (:mod:`resilient.control.plane`:
     claimed atomically, client TLS and a login derived from the job ``secret``, default the one
@@ -361,7 +361,8 @@ def etcd_endpoint(args: argparse.Namespace, run_dir: Path, run_id: str | None = 
         if run_id is not None:
             wait_for_agents_to_leave(etcd, run_id, node, LEAVE_WAIT)
 
-    with embedded_etcd(run_dir, secret, standalone=args.standalone, before_stop=let_the_others_leave) as endpoint:
+    with embedded_etcd(run_dir, secret, standalone=args.standalone, before_stop=let_the_others_leave,
+                       members=members, node=node or "") as endpoint:
         yield endpoint
 
 
@@ -394,7 +395,7 @@ def default_run_id(run_dir: Path) -> str:
 
 # The --rdzv-conf keys that say how to reach etcd (TLS, auth, timeouts): workers need them too.
 _ETCD_KEYS = {"protocol", "ca_cert", "cacert", "ssl_cert", "cert", "ssl_cert_key", "key", "username", "user",
-              "request_timeout", "retry_timeout"}
+              "request_timeout", "retry_timeout", "auto_sync"}
 
 
 def worker_etcd_conf(conf: dict[str, str]) -> dict[str, str]:
@@ -478,7 +479,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     print(f"resilient: node {node}, {nproc} workers, {min_nodes}:{max_nodes} nodes, "
           f"{program.describe}, run dir {run_dir}", file=sys.stderr)
 
-    with etcd_endpoint(args, run_dir, run_id, node, secret) as endpoint:
+    with etcd_endpoint(args, run_dir, run_id, node, secret, members=lc.etcd_members) as endpoint:
         register()
         # On our embedded etcd every client logs in with the job secret's password (etcd_endpoint).
         rdzv_conf = {**parse_rdzv_conf(args.rdzv_conf), **({} if args.rdzv_endpoint else embedded_etcd_conf(secret))}

@@ -54,6 +54,7 @@ class LaunchConfig:
     rendezvous: str = knob("keys", "the rendezvous protocol: torch (torch's handler, one state key changed by compare-and-swap: fine up to ~32 nodes) or keys (a key per node: re-forms in about a second at hundreds of nodes; bench/scale.py)", choices=("torch", "keys"))
     preemption_grace: float = knob(20.0, "after SIGTERM, how long workers get to finish the step and save before SIGKILL")
     etcd_outage: float = knob(300.0, "seconds etcd may stay unreachable while the workers train on (the local tier keeps their snapshots); past it a node stops after its workers saved their newest step, and a relaunch resumes from the newest durable version")
+    etcd_members: int = knob(3, "members of the embedded etcd (no --rdzv-endpoint): the agents that join the first one's grow it into a cluster of this many, one member per agent, so that from the third agent on losing any one node (its etcd member and data included) leaves the job training; 1 = the first agent's etcd alone (losing that agent ends the job); 1, 3 or 5", choices=(1, 3, 5))
     etcd_compact_interval: float = knob(300.0, "seconds between compactions of etcd's history by each agent (a job that snapshots every step writes etcd records every step, ~0.5 GB of etcd database a day on the demo, and a full etcd refuses every write); 0 = never, for an etcd whose operators compact it")
     # On by default: an exporter switched on only after an incident has nothing to show about
     # it, and one costs an idle thread and a socket (the log is read only when scraped). A free

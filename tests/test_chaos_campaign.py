@@ -129,7 +129,8 @@ def test_driver_fires_by_step_and_time_and_records_everything(job):
 def test_every_kind_builds_an_injector_or_a_reasoned_skip(job):
     from resilient_chaos.scenario import FAULT_KINDS, PARAMS_BY_KIND, PlannedFault, Target
     targets = {"link-cut": Target("link", 0, 1), "etcd-loss": Target("etcd", 0), "delay": Target("etcd"), "bandwidth": Target("etcd"),
-               "reset": Target("etcd"), "storage-flaky": Target("durable"), "disk-full": Target("durable")}
+               "reset": Target("etcd"), "storage-flaky": Target("durable"), "disk-full": Target("durable"),
+               "first-agent-lost": Target("etcd")}
     for kind in FAULT_KINDS:
         params = PARAMS_BY_KIND[kind]()
         f = PlannedFault("x", kind, targets.get(kind, Target("rank" if kind in ("kill-worker", "bitflip") else "node", 0)), params, 1, None, timedelta(seconds=1))

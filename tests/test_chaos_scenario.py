@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 
 from resilient.errors import ConfigError
-from resilient_chaos.scenario import FAULT_KINDS, load_scenario, scenario_from_dict, shipped_scenarios
+from resilient_chaos.scenario import EMBEDDED_ETCD_KINDS, FAULT_KINDS, load_scenario, scenario_from_dict, shipped_scenarios
 
 SHIPPED = {"kill-worker", "kill-node", "hang", "partition", "etcd-loss", "storage-flaky", "bitflip", "preemption", "scale-down-up", "soak"}
 
@@ -32,15 +32,16 @@ def test_every_shipped_scenario_loads_and_plans():
 def test_soak_covers_every_kind_and_is_seeded():
     sc = load_scenario("soak")
     kinds = {f.kind for f in sc.faults}
-    assert kinds == set(FAULT_KINDS)
+    # first-agent-lost needs the agents' embedded etcd on loopback: its own scenario
+    assert kinds == set(FAULT_KINDS) - set(EMBEDDED_ETCD_KINDS)
     a, b = sc.plan(), sc.plan()
     assert a == b
     # 50 of every kind, paced: every round (one fault per kind) has each kind once, a
     # scale-up right after each scale-down, on the node it stopped.
-    assert all(f.paced for f in a) and len(a) == 50 * len(FAULT_KINDS)
-    n = len(FAULT_KINDS)
+    assert all(f.paced for f in a) and len(a) == 50 * len(kinds)
+    n = len(kinds)
     for r in range(50):
-        assert {f.kind for f in a[n * r:n * (r + 1)]} == set(FAULT_KINDS)
+        assert {f.kind for f in a[n * r:n * (r + 1)]} == kinds
     for down, up in zip(a, a[1:]):
         if down.kind == "scale-down":
             assert up.kind == "scale-up" and up.target == down.target
@@ -70,6 +71,22 @@ def test_invalid_faults_rejected():
         scenario_from_dict({"name": "t", "faults": [{"kind": "partition", "target": "node:0", "at_step": 1}]})
     with pytest.raises(ConfigError, match="probability"):
         scenario_from_dict({"name": "t", "topology": {"network": "netns"}, "faults": [{"kind": "packet-loss", "target": "node:0", "at_step": 1}]})
+
+
+def test_first_agent_lost_needs_the_embedded_etcd():
+    lost = {"kind": "first-agent-lost", "target": "etcd", "at_step": 5}
+    sc = scenario_from_dict({"name": "t", "topology": {"etcd": "embedded"}, "faults": [lost]})
+    (f,) = sc.plan()
+    assert f.kind == "first-agent-lost" and f.params.remove_data and f.params.remove_shm
+    with pytest.raises(ConfigError, match="needs topology.etcd = 'embedded'"):
+        scenario_from_dict({"name": "t", "faults": [lost]})
+    with pytest.raises(ConfigError, match="runner's etcd or its proxy"):
+        scenario_from_dict({"name": "t", "topology": {"etcd": "embedded"},
+                            "faults": [{"kind": "etcd-loss", "target": "etcd:0", "at_step": 1}]})
+    with pytest.raises(ConfigError, match="loopback"):
+        scenario_from_dict({"name": "t", "topology": {"etcd": "embedded", "network": "netns"}, "faults": [lost]})
+    with pytest.raises(ConfigError, match="cannot target"):
+        scenario_from_dict({"name": "t", "topology": {"etcd": "embedded"}, "faults": [{**lost, "target": "node:0"}]})
 
 
 TABLE = {

@@ -12,6 +12,8 @@ private temporary directory, named in ``RESILIENT_STORE``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import os
@@ -121,7 +123,11 @@ class NodeStoreService:
         zygote started before the agent knew it (``resilient.agent.warm.start_early``) lacks it."""
         from resilient.rendezvous.registry import PASSWORD_ENV
 
-        env = {STORE_ENV: self.info.to_env()}
+        # The etcd endpoints this agent's client knows now: an embedded etcd grown into a cluster
+        # since the agent started (resilient.control.members) may have lost its first member.
+        known = getattr(self.client, "endpoint_list", None)
+        info = dataclasses.replace(self.info, etcd=known()) if known is not None and known() else self.info
+        env = {STORE_ENV: info.to_env()}
         password = os.environ.get(PASSWORD_ENV)
         if password is not None and (self.info.etcd_conf.get("username") or self.info.etcd_conf.get("user")):
             env[PASSWORD_ENV] = password

@@ -15,24 +15,32 @@ safe, every agent ends on the same endpoint whatever its timing). The owner's et
   launch``: wait for the other agents of the run to leave, so that their last calls
   succeed at once instead of retrying against a dead etcd).
 
-The embedded etcd lives in its owner's process tree: losing that agent ends the job for
-everyone (the README says so; an external etcd cluster through ``--rdzv-endpoint`` has no
-such node).
+With ``members`` above 1 (``launch.etcd_members``, 3 by default) the owner's etcd is only the
+first member: the agents that join grow it into a cluster of that many members, one per agent
+(:mod:`resilient.control.members`), and from the third agent on losing any one agent leaves the
+job training. With fewer agents the job depends on the first one (said at start), as with
+``members = 1``, where the embedded etcd lives in its owner's process tree alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator
 
 from resilient.control.api import ClaimSettings
-from resilient.control.claim import RunDirClaim, control_dir
+from resilient.control.claim import CONTROL_DIR, RunDirClaim, control_dir
+from resilient.control.members import ClusterMember, MemberSettings, voter_endpoints
 from resilient.errors import LaunchError
+from resilient.rundir import write_private
 
-__all__ = ["embedded_etcd", "client_kwargs", "JOIN_CHECK"]
+__all__ = ["embedded_etcd", "client_kwargs", "JOIN_CHECK", "AUTO_SYNC"]
+# How often the clients of an embedded etcd ask it for its members (EtcdClient auto_sync): a
+# member that joined is known to every client this long after, before another can be lost.
+AUTO_SYNC = timedelta(seconds=5)
 # How long a joining agent waits for the owner's etcd to answer its first request: the
 # owner published only once its etcd answered, so this covers a restart by its watch.
 JOIN_CHECK = timedelta(seconds=30)
@@ -51,10 +59,13 @@ def client_kwargs(conf: dict[str, str]) -> dict[str, str]:
 @contextlib.contextmanager
 def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
                   before_stop: Callable[[object], None] | None = None,
-                  settings: ClaimSettings = ClaimSettings()) -> Iterator[str]:
-    """The endpoint of ``run_dir``'s embedded etcd: this agent's own if its claim wins (then it
+                  settings: ClaimSettings = ClaimSettings(), members: int | MemberSettings = 1,
+                  node: str = "") -> Iterator[str]:
+    """The endpoint(s) of ``run_dir``'s embedded etcd: this agent's own if its claim wins (then it
     runs for the life of the ``with``, and ``before_stop(etcd)`` runs at its end, the etcd still
-    up), else the owner's. ``standalone``: always our own, shared with nobody (no claim)."""
+    up), else the owner's (with ``members`` above 1, the cluster's voting members, this agent's
+    own member among them once it joined). ``standalone``: always our own, shared with nobody
+    (no claim, one member). ``node``: this agent's name in its member's name."""
     from resilient.etcd import EtcdAuthError, EtcdClient, EtcdError
     from resilient.etcd.server import embedded_etcd_conf
 
@@ -62,10 +73,12 @@ def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
     # the owner's etcd and workers read (it is refused below, but only after deriving its own).
     tls_dir = control_dir(run_dir) / f"{TLS_DIR}-{secret.fingerprint}"
     conf = embedded_etcd_conf(secret, tls_dir)   # the CA and our client certificate, derived
+    msettings = members if isinstance(members, MemberSettings) else MemberSettings(members=members)
     if standalone:
         with _own_etcd(secret, tls_dir) as etcd:
             yield etcd.endpoint
         return
+    node = node or f"agent-{os.getpid()}"
     claim = RunDirClaim(run_dir, secret, settings, _say)
     owner = claim.join()
     if owner is not None:
@@ -84,31 +97,130 @@ def embedded_etcd(run_dir: str | Path, secret, *, standalone: bool = False,
                 f"That agent is alive: check it (`ps -o pid,stat,args -p {owner.pid}`); if it is stuck, stop it "
                 f"and launch every node of the run again") from None
         _say(f"joined the embedded etcd at {owner.endpoint} of agent pid {owner.pid} (run dir {run_dir})")
-        yield owner.endpoint
+        if msettings.members <= 1:
+            yield owner.endpoint
+            return
+        with _join_cluster(owner.endpoint, run_dir, conf, secret, tls_dir, node, msettings) as endpoints:
+            yield endpoints
         return
     try:
-        with _own_etcd(secret, tls_dir) as etcd:
+        cluster = msettings.members > 1
+        # The claim's last owner is gone, but the cluster it started may live on in the agents
+        # that joined it (issue 38: no node is special): join it, never start a second one.
+        alive = _live_cluster(run_dir, secret, conf) if cluster else None
+        if alive is not None:
+            claim.publish(alive.split(",")[0])
+            _say(f"the run dir's etcd cluster ({alive}) outlived the agent that started it; this agent joins it")
+            with _join_cluster(alive, run_dir, conf, secret, tls_dir, node, msettings) as endpoints:
+                yield endpoints
+            return
+        with _own_etcd(secret, tls_dir, election_ms=msettings.election_ms if cluster else None) as etcd:
             claim.publish(etcd.endpoint)
+            member = _cluster_member(etcd.endpoint, run_dir, conf, secret, tls_dir, node, msettings) if cluster else None
+            if member is not None:
+                member.mark(member.client.member_id())
+                member.changed()
+                member.start_tending()
             _say(f"embedded etcd at {etcd.endpoint}, with client TLS and authentication from the job secret (other "
-                 "agents on this machine: the same --run-dir, started in any order). It lives in this agent: "
-                 "losing this node ends the job for every node (an etcd cluster through --rdzv-endpoint has no "
-                 "such node)")
+                 "agents on this machine: the same --run-dir, started in any order). " + (
+                     f"It grows into a cluster of {msettings.members} members as agents join (launch.etcd_members); "
+                     f"until {msettings.members} agents run, the job depends on this first agent: losing it ends "
+                     "the job for every node, keeping what was committed" if cluster else
+                     "It lives in this agent: losing this node ends the job for every node "
+                     "(launch.etcd_members = 3, or an etcd cluster through --rdzv-endpoint, has no such node)"))
             try:
                 yield etcd.endpoint
             finally:
                 if before_stop is not None:
                     before_stop(etcd)
+                if member is not None:
+                    member.leave()
+                    member.client.close()
     finally:
         claim.release()
 
 
 @contextlib.contextmanager
-def _own_etcd(secret, tls_dir: Path):
+def _join_cluster(endpoint: str, run_dir, conf: dict[str, str], secret, tls_dir: Path, node: str,
+                  msettings: MemberSettings) -> Iterator[str]:
+    """Add this agent's member to the cluster at ``endpoint`` (when it has room), tend it, and
+    yield the voting members' endpoints; remove the member at the end."""
+    from resilient.etcd import EtcdError
+
+    member = _cluster_member(endpoint, run_dir, conf, secret, tls_dir, node, msettings)
+    try:
+        try:
+            member.join()
+        except (EtcdError, LaunchError) as e:
+            _say(f"this agent runs no etcd member ({e}); it is a client of the run dir's etcd cluster")
+        member.start_tending()
+        yield voter_endpoints(member.client.members()) or endpoint
+    finally:
+        member.leave()
+        member.client.close()
+
+
+MEMBERS = "members.json"            # the voting members' endpoints, sealed: what a new claimant joins
+MEMBERS_PURPOSE = "control-plane-members"
+
+
+def _write_members(run_dir, secret, members: list[dict]) -> None:
+    endpoints = voter_endpoints(members)
+    if endpoints:
+        write_private(control_dir(run_dir) / MEMBERS, secret.seal_record(
+            MEMBERS_PURPOSE, f"{CONTROL_DIR}/{MEMBERS}", {"endpoints": endpoints.split(",")}))
+
+
+def _live_cluster(run_dir, secret, conf: dict[str, str]) -> str | None:
+    """The endpoints of the run dir's etcd cluster (its sealed members record) when a majority
+    of it still answers (a quorum read), else None: none, stale, or not ours."""
+    from resilient.etcd import EtcdClient, EtcdError
+    from resilient.secret import Unauthentic
+
+    try:
+        raw = (control_dir(run_dir) / MEMBERS).read_bytes()
+        endpoints = [str(e) for e in secret.open_record(MEMBERS_PURPOSE, f"{CONTROL_DIR}/{MEMBERS}", raw)["endpoints"]]
+    except (OSError, Unauthentic, KeyError, TypeError):
+        return None
+    if len(endpoints) < 2:
+        return None   # a lone member died with its agent
+    try:
+        with EtcdClient(",".join(endpoints), retry_timeout=timedelta(seconds=5), request_timeout=timedelta(seconds=3),
+                        **client_kwargs(conf)) as c:
+            c.revision()   # linearizable: answered only by a cluster with a quorum
+            answered = endpoints[c._current % len(endpoints)]
+    except EtcdError:
+        return None
+    return ",".join([answered, *(e for e in endpoints if e != answered)])   # the record names one that answered
+
+
+def _cluster_member(endpoint: str, run_dir, conf: dict[str, str], secret, tls_dir: Path, node: str,
+                    settings: MemberSettings) -> ClusterMember:
+    from resilient.etcd import EmbeddedEtcd, EtcdClient
+    from resilient.etcd.server import embedded_tls
+
+    def make_etcd(name: str, join: list[tuple[str, str]]) -> EmbeddedEtcd:
+        return EmbeddedEtcd(root_password=secret.etcd_password, tls=embedded_tls(secret, tls_dir, server=True),
+                            name=name, join=join, extra_args=[f"--election-timeout={settings.election_ms}"])
+
+    def probe(url: str) -> EtcdClient:
+        return EtcdClient(url, retry_timeout=settings.probe, request_timeout=settings.probe, **client_kwargs(conf))
+
+    # A short retry budget: its calls are reconfigurations and looks, each retried on its own
+    # terms; at exit, a cluster without quorum must not hold the agent for long.
+    client = EtcdClient(endpoint, auto_sync=AUTO_SYNC, retry_timeout=timedelta(seconds=10), **client_kwargs(conf))
+    return ClusterMember(client, node, make_etcd, probe, settings, _say,
+                         on_change=lambda members: _write_members(run_dir, secret, members))
+
+
+@contextlib.contextmanager
+def _own_etcd(secret, tls_dir: Path, election_ms: int | None = None):
     from resilient.etcd import EmbeddedEtcd
     from resilient.etcd.server import embedded_tls
 
     tls = embedded_tls(secret, tls_dir, server=True)
-    with EmbeddedEtcd(root_password=secret.etcd_password, tls=tls) as etcd:
+    extra = [f"--election-timeout={election_ms}"] if election_ms else []
+    with EmbeddedEtcd(root_password=secret.etcd_password, tls=tls, extra_args=extra) as etcd:
         def restarted(code: int | None, seconds: float) -> None:
             _say(f"the embedded etcd at {etcd.endpoint} died (exit code {code}); restarted it on the same ports "
                  f"and data in {seconds:.1f} s, the job goes on")

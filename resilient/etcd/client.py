@@ -137,6 +137,13 @@ class EtcdClient:
         request_timeout: bound on one HTTP request.
         retry_timeout: how long a request keeps retrying while etcd is
             unreachable or leaderless before :class:`EtcdUnavailable`.
+        auto_sync: every this long, replace the endpoints by the client URLs of the
+            cluster's voting members (etcd's member list), as etcd's own clientv3
+            does with ``AutoSyncInterval``. Why: the embedded etcd of ``resilient
+            launch`` grows from one member to several while the job runs
+            (:mod:`resilient.control.members`); a client that knew only the first
+            member would die with it. None (the default): the endpoints given stay,
+            as an operator's cluster behind a proxy or a load balancer needs.
     """
 
     def __init__(
@@ -150,8 +157,10 @@ class EtcdClient:
         password: str | None = None,
         request_timeout: timedelta = timedelta(seconds=5),
         retry_timeout: timedelta = timedelta(seconds=30),
+        auto_sync: timedelta | None = None,
     ) -> None:
-        for name, value in (("request_timeout", request_timeout), ("retry_timeout", retry_timeout)):
+        for name, value in (("request_timeout", request_timeout), ("retry_timeout", retry_timeout),
+                            ("auto_sync", auto_sync or timedelta(0))):
             if not isinstance(value, timedelta):
                 raise TypeError(f"{name} must be a datetime.timedelta, not {value!r}")
         if bool(cert) != bool(key):
@@ -169,11 +178,14 @@ class EtcdClient:
         default_scheme = "https" if (ca_cert or cert) else "http"
         context = tls_context(ca_cert, cert, key) if any(s == "https" or (not s and default_scheme == "https")
                                                           for s, _, _ in parse_endpoints(endpoints)) else None
+        self._context, self._default_scheme = context, default_scheme
         # etcd >= 3.4 serves the gateway at /v3/ (no version discovery round trip).
         self._gw: list[Gateway] = [Gateway(scheme or default_scheme, host, port, request_timeout, context)
                                    for scheme, host, port in parse_endpoints(endpoints)]
         self.endpoints: list[str] = [gw.base_url for gw in self._gw]
         self._current = 0
+        self.auto_sync = auto_sync
+        self._synced = 0.0 if auto_sync is None else time.monotonic()
         self._auth_lock = threading.Lock()
         self._leases: list[Lease] = []
         self._closed = False
@@ -225,12 +237,16 @@ class EtcdClient:
         delay = 0.02
         reauthed = False
         while True:
-            idx = self._current
-            gw = self._gw[idx]
+            gws = self._gw   # replaced whole by a sync: this call keeps the list it started with
+            idx = self._current % len(gws)
+            gw = gws[idx]
             try:
                 if self._username and self._token is None:
                     self._authenticate(gw)
-                return fn(gw)
+                out = fn(gw)
+                if self.auto_sync is not None and time.monotonic() - self._synced >= self.auto_sync.total_seconds():
+                    self._sync(gw)
+                return out
             except _RETRYABLE as exc:
                 last: object = exc.detail_text or exc or type(exc).__name__
                 if any(m in str(last) for m in _TLS_MARKERS):
@@ -240,7 +256,7 @@ class EtcdClient:
                         "(the CA that signed etcd's certificate), cert/key (a client "
                         "certificate etcd trusts) and that the endpoint uses https."
                     ) from None
-                self._current = (idx + 1) % len(self._gw)
+                self._current = (idx + 1) % len(gws)
                 waited = time.monotonic() - start
                 if waited >= budget:
                     raise EtcdUnavailable(self.endpoints, waited, f"{what}: {last}") from None
@@ -288,6 +304,70 @@ class EtcdClient:
             return gw.post(path, body)
         finally:
             self.on_request(path, time.monotonic() - start)
+
+    # ------------------------------------------------------------ the cluster's members
+    def _sync(self, gw: Gateway) -> None:
+        """Take the voting members' client URLs as the endpoints (``auto_sync``), asked of
+        ``gw`` (which just answered). A learner is left out: it serves no request. A failed
+        or empty answer keeps the endpoints as they are (the next request asks again)."""
+        self._synced = time.monotonic()
+        try:
+            members = gw.post("/cluster/member/list", {}).get("members") or []
+        except TransportError as e:
+            log.debug("etcd member list from %s failed: %s", gw.base_url, e)
+            return
+        urls = [u for m in members if not m.get("isLearner") for u in (m.get("clientURLs") or [])[:1]]
+        if not urls or sorted(urls) == sorted(self.endpoints):
+            return
+        have = {g.base_url: g for g in self._gw}
+        fresh: list[Gateway] = []
+        for scheme, host, port in parse_endpoints(urls):
+            shown = f"[{host}]" if ":" in host else host
+            url = f"{scheme or self._default_scheme}://{shown}:{port}"
+            g = have.pop(url, None)
+            if g is None:
+                g = Gateway(scheme or self._default_scheme, host, port,
+                            timedelta(seconds=gw.timeout), self._context)
+                g.set_token(self._token)
+            fresh.append(g)
+        current = gw.base_url
+        self._gw, self.endpoints = fresh, [g.base_url for g in fresh]
+        self._current = next((i for i, g in enumerate(fresh) if g.base_url == current), 0)
+        for gone in have.values():   # members removed: their connections are of no more use
+            gone.close()
+        log.info("etcd endpoints now %s (the cluster's voting members)", ",".join(self.endpoints))
+
+    def endpoint_list(self) -> str:
+        """The endpoints as ``--rdzv-endpoint`` takes them (comma-separated URLs): for a process
+        started now, the members this client knows of (after ``auto_sync``, the current ones)."""
+        return ",".join(self.endpoints)
+
+    def members(self) -> list[dict[str, Any]]:
+        """The cluster's members as etcd lists them: ``ID`` (a decimal string), ``name``,
+        ``peerURLs``, ``clientURLs`` (empty until the member started), ``isLearner``."""
+        return list(self._post("/cluster/member/list", {}, "member list").get("members") or [])
+
+    def member_add(self, peer_urls: Sequence[str], learner: bool = True) -> dict[str, Any]:
+        """Add a member (a learner by default: it counts for no quorum until promoted); the
+        new member's record (its ``ID``) and the members as etcd lists them after it."""
+        resp = self._post("/cluster/member/add", {"peerURLs": list(peer_urls), "isLearner": learner},
+                          f"member add {list(peer_urls)}", retry_timeout=timedelta(seconds=10))
+        return resp.get("member") or {}
+
+    def member_promote(self, member_id: int | str) -> None:
+        """Make a learner a voting member; etcd refuses (:class:`EtcdError`) one that has not
+        caught up with the leader yet."""
+        self._post("/cluster/member/promote", {"ID": str(member_id)}, f"member promote {member_id}",
+                   retry_timeout=timedelta(seconds=10))
+
+    def member_remove(self, member_id: int | str, retry_timeout: timedelta | None = None) -> None:
+        """Remove a member from the cluster (it stops serving, and stops counting for quorum)."""
+        self._post("/cluster/member/remove", {"ID": str(member_id)}, f"member remove {member_id}", retry_timeout)
+
+    def member_id(self) -> int:
+        """The ID of the member this client's current endpoint is (its status header's)."""
+        resp = self._call("status", lambda gw: gw.post("/maintenance/status", {}))
+        return int((resp.get("header") or {})["member_id"])
 
     # ------------------------------------------------------------ health
     def check(self, timeout: timedelta = timedelta(seconds=5)) -> None:

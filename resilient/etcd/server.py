@@ -120,7 +120,9 @@ def embedded_etcd_conf(secret, tls_dir: str | os.PathLike | None = None) -> dict
     :class:`~resilient.secret.JobSecret`) reaches the embedded etcd of ``resilient launch``: its
     client certificate (files in ``tls_dir``, see :func:`embedded_tls`) and the root login.
     The password stays in this process (and, for workers, in their environment): never in argv."""
-    return {"username": ROOT_USER, "password": secret.etcd_password,
+    # auto_sync: the embedded etcd grows into a cluster while the job runs (resilient.control.members):
+    # every client follows its members (EtcdClient auto_sync), workers too (launch's _ETCD_KEYS).
+    return {"username": ROOT_USER, "password": secret.etcd_password, "auto_sync": "5",
             **embedded_tls(secret, tls_dir).client_conf()}
 
 
@@ -189,6 +191,26 @@ def _is_script(path: Path) -> bool:
         return True
 
 
+def etcd_started_by(pid: int) -> list[tuple[int, Path]]:
+    """(pid, data dir) of each etcd server that process ``pid`` started (its children: setpriv
+    execs etcd in place), for the harnesses that take a node down with its etcd member and
+    that member's data (tests/test_etcd_members.py, the chaos kind first-agent-lost)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if ppid == pid else []
+        except (OSError, ValueError, IndexError):
+            continue
+        if argv and Path(argv[0].decode(errors="replace")).name == "etcd":
+            data = [a.decode().split("=", 1)[1] for a in argv if a.startswith(b"--data-dir=")]
+            if data:
+                found.append((int(entry.name), Path(data[0])))
+    return found
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port the OS considers free right now (bind to port 0, read it back)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -236,8 +258,13 @@ class EmbeddedEtcd:
         client_ca_file: str | os.PathLike[str] | None = None,
         root_password: str | None = None,
         tls: TlsFiles | None = None,
+        join: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.binary = find_etcd(binary)
+        # Joining a running cluster (resilient.control.members): its members' (name, peer URL),
+        # this one already added to it (a learner) with the peer URL of ``peer_port``, which the
+        # caller then chose. The data, authentication included, comes from the cluster.
+        self.join = tuple(join)
         if root_password is not None and len(root_password) < 16:
             raise EtcdError("EmbeddedEtcd root_password: give at least 16 characters")
         if tls is not None:
@@ -246,7 +273,7 @@ class EmbeddedEtcd:
             cert_file, key_file, client_ca_file = tls.server_cert, tls.server_key, tls.ca
         self.tls = tls
         self.root_password = root_password
-        self._secured = False  # authentication is on (and checked) in the data dir
+        self._secured = bool(self.join)  # authentication is on (and checked) in the data dir; a joiner's comes from the cluster
         self.host = host
         self.name = name
         self.start_timeout = start_timeout
@@ -274,6 +301,9 @@ class EmbeddedEtcd:
         # The watch (see watch()): its thread, its stop flag, and a lock that keeps a
         # restart and a deliberate close from crossing.
         self._watch_thread: threading.Thread | None = None
+        # Another thread that may start the server and lives until it is closed (a
+        # ClusterMember's tending thread: resilient.control.members): pdeathsig is safe from it.
+        self.forks_from: threading.Thread | None = None
         self._watch_stop = threading.Event()
         self._lifecycle = threading.RLock()
 
@@ -320,6 +350,9 @@ class EmbeddedEtcd:
             return self
         first = self.client_port == 0
         attempts = 3 if first else 1
+        if self.join and first:
+            raise EtcdError("EmbeddedEtcd(join=...): choose client_port and peer_port first (the peer URL the "
+                            "cluster was told when this member was added)")
         for attempt in range(attempts):
             if first:
                 # Port 0 trick; the tiny race with other processes is covered by retrying.
@@ -336,9 +369,14 @@ class EmbeddedEtcd:
                     raise
         raise AssertionError("unreachable")
 
+    @property
+    def peer_url(self) -> str:
+        return f"{'https' if self.tls is not None else 'http'}://{self.host}:{self.peer_port}"
+
     def _spawn(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        peer = f"{'https' if self.tls is not None else 'http'}://{self.host}:{self.peer_port}"
+        peer = self.peer_url
+        cluster = ",".join(f"{n}={u}" for n, u in (*self.join, (self.name, peer)))
         cmd = [
             self.binary,
             f"--name={self.name}",
@@ -347,8 +385,8 @@ class EmbeddedEtcd:
             f"--advertise-client-urls={self.client_url}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster={self.name}={peer}",
-            "--initial-cluster-state=new",
+            f"--initial-cluster={cluster}",
+            f"--initial-cluster-state={'existing' if self.join else 'new'}",
             "--heartbeat-interval=50",
             "--election-timeout=250",
             *self._tls_args(),
@@ -361,7 +399,7 @@ class EmbeddedEtcd:
         # the main thread, or from the watch thread (see :meth:`watch`), which lives until
         # the server is closed: a restart from any other thread would die with it.
         setpriv = shutil.which("setpriv")
-        if setpriv and threading.current_thread() in (threading.main_thread(), self._watch_thread):
+        if setpriv and threading.current_thread() in (threading.main_thread(), self._watch_thread, self.forks_from):
             cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(

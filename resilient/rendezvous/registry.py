@@ -164,6 +164,7 @@ def client_from_params(params: RendezvousParameters) -> EtcdClient:
             password=password,
             request_timeout=_seconds(params, "request_timeout", 5.0),  # type: ignore[arg-type]
             retry_timeout=_seconds(params, "retry_timeout", 30.0),  # type: ignore[arg-type]
+            auto_sync=_seconds(params, "auto_sync", None),
         )
     except EtcdError as exc:
         raise RendezvousConfigError(str(exc)) from exc
