@@ -23,7 +23,8 @@ from resilient.snapshot.nodestore import reclaim
 
 EXAMPLE = REPO / "examples" / "fsdp2_train.py"
 STEPS = 80
-SETS = ["snapshot.every=1", "snapshot.durable_every=1000", "snapshot.replicas=1", "launch.heartbeat_timeout=60"]
+SETS = ["snapshot.every=1", "snapshot.durable_every=1000", "snapshot.replicas=1", "launch.heartbeat_timeout=60",
+        "launch.etcd_members=3"]
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(420)]
 
 
