@@ -458,6 +458,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     from resilient.agent.api import AgentSettings
     from resilient.agent.membership import NodeRegistry
     from resilient.agent.quarantine import Quarantine
+    from resilient.control.plane import AUTO_SYNC
     from resilient.etcd.server import embedded_etcd_conf
     from resilient.events import EventLog
     from resilient.ledger import run_copies
@@ -482,7 +483,9 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     with etcd_endpoint(args, run_dir, run_id, node, secret, members=lc.etcd_members) as endpoint:
         register()
         # On our embedded etcd every client logs in with the job secret's password (etcd_endpoint).
-        rdzv_conf = {**parse_rdzv_conf(args.rdzv_conf), **({} if args.rdzv_endpoint else embedded_etcd_conf(secret))}
+        sync = AUTO_SYNC if lc.etcd_members > 1 else None   # one member: no others to follow
+        rdzv_conf = {**parse_rdzv_conf(args.rdzv_conf),
+                     **({} if args.rdzv_endpoint else embedded_etcd_conf(secret, auto_sync=sync))}
         conf = {"last_call_timeout": lc.last_call_timeout, "keep_alive_interval": lc.keep_alive_interval,
                 "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, "handler": lc.rendezvous, **rdzv_conf}
         params = RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id=run_id,

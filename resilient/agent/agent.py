@@ -74,11 +74,13 @@ from resilient.runconfig import RUNTIME_CONFIG_ENV
 
 log = logging.getLogger(__name__)
 # How long etcd gets to answer before a lost node is taken to have taken the control plane
-# with it: an embedded etcd grown into a cluster (resilient.control.members) elects a new
-# leader when the lost node's member led (1-2 s of election timeouts on a loaded host), and
-# every client logs in again on the member it fails over to (etcd 3.4's tokens are a member's
-# own, and a login goes through raft). 1 s declared the job lost while the cluster re-formed.
-CONTROL_PLANE_CHECK = timedelta(seconds=10)
+# with it. One endpoint (one member) answers at once or is gone. Several (an embedded etcd
+# grown into a cluster: resilient.control.members) elect a new leader when the lost node's
+# member led (1-2 s of election timeouts on a loaded host), and every client logs in again on
+# the member it fails over to (etcd 3.4's tokens are a member's own, and a login goes through
+# raft): 1 s declared the job lost while the cluster re-formed.
+CONTROL_PLANE_CHECK = timedelta(seconds=1)
+CLUSTER_CONTROL_PLANE_CHECK = timedelta(seconds=10)
 
 MAX_STARTUP_FAILURES = 3
 # Rounds lost in a row (a member died between completing the round and starting
@@ -298,7 +300,10 @@ class ResilientAgent(SimpleElasticAgent):
         """:class:`ControlPlaneLost` when etcd does not answer and members of this round are
         certainly gone: an outage of an etcd whose nodes live is ridden through (bounded by
         ``etcd_outage``), but one that left with its nodes never comes back."""
-        if self.registry is None or self._etcd_answers(CONTROL_PLANE_CHECK):
+        if self.registry is None:
+            return
+        members = len(self.registry.client.endpoints)
+        if self._etcd_answers(CLUSTER_CONTROL_PLANE_CHECK if members > 1 else CONTROL_PLANE_CHECK):
             return
         lost = self.registry.gone_for_sure(self.round_nodes)
         if lost:

@@ -125,8 +125,8 @@ class NodeStoreService:
 
         # The etcd endpoints this agent's client knows now: an embedded etcd grown into a cluster
         # since the agent started (resilient.control.members) may have lost its first member.
-        known = getattr(self.client, "endpoint_list", None)
-        info = dataclasses.replace(self.info, etcd=known()) if known is not None and known() else self.info
+        known = self.client.endpoint_list()
+        info = dataclasses.replace(self.info, etcd=known) if known else self.info
         env = {STORE_ENV: info.to_env()}
         password = os.environ.get(PASSWORD_ENV)
         if password is not None and (self.info.etcd_conf.get("username") or self.info.etcd_conf.get("user")):

@@ -115,14 +115,17 @@ def embedded_tls(secret, where: str | os.PathLike | None = None, server: bool = 
         return _TLS[key]
 
 
-def embedded_etcd_conf(secret, tls_dir: str | os.PathLike | None = None) -> dict[str, str]:
+def embedded_etcd_conf(secret, tls_dir: str | os.PathLike | None = None,
+                       auto_sync: timedelta | None = None) -> dict[str, str]:
     """The ``--rdzv-conf`` keys with which a holder of the job secret (a
     :class:`~resilient.secret.JobSecret`) reaches the embedded etcd of ``resilient launch``: its
     client certificate (files in ``tls_dir``, see :func:`embedded_tls`) and the root login.
-    The password stays in this process (and, for workers, in their environment): never in argv."""
-    # auto_sync: the embedded etcd grows into a cluster while the job runs (resilient.control.members):
-    # every client follows its members (EtcdClient auto_sync), workers too (launch's _ETCD_KEYS).
-    return {"username": ROOT_USER, "password": secret.etcd_password, "auto_sync": "5",
+    The password stays in this process (and, for workers, in their environment): never in argv.
+    ``auto_sync``: for an embedded etcd that grows into a cluster while the job runs
+    (resilient.control.members), how often every client, workers too (launch's ``_ETCD_KEYS``),
+    re-reads its members (EtcdClient ``auto_sync``); None for one member, which has no others."""
+    sync = {} if auto_sync is None else {"auto_sync": f"{auto_sync.total_seconds():g}"}
+    return {"username": ROOT_USER, "password": secret.etcd_password, **sync,
             **embedded_tls(secret, tls_dir).client_conf()}
 
 
@@ -195,19 +198,21 @@ def etcd_started_by(pid: int) -> list[tuple[int, Path]]:
     """(pid, data dir) of each etcd server that process ``pid`` started (its children: setpriv
     execs etcd in place), for the harnesses that take a node down with its etcd member and
     that member's data (tests/test_etcd_members.py, the chaos kind first-agent-lost)."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for child in children:
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0") if ppid == pid else []
-        except (OSError, ValueError, IndexError):
+            argv = child.cmdline()
+        except psutil.Error:   # gone meanwhile
             continue
-        if argv and Path(argv[0].decode(errors="replace")).name == "etcd":
-            data = [a.decode().split("=", 1)[1] for a in argv if a.startswith(b"--data-dir=")]
-            if data:
-                found.append((int(entry.name), Path(data[0])))
+        data = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--data-dir=")]
+        if argv and Path(argv[0]).name == "etcd" and data:
+            found.append((child.pid, Path(data[0])))
     return found
 
 
