@@ -2,8 +2,8 @@
 
 Why: the embedded etcd used to be one member in its owner's process tree, so losing that
 one agent (its node) ended the job for every node, whatever the others still held (issue
-38). Here, once agents join, the etcd becomes a cluster of ``launch.etcd_members`` (3 by
-default) members, one per agent: losing any one agent, its etcd member and that member's
+38). Here, once agents join, the etcd becomes a cluster of ``launch.etcd_members`` (3 or 5;
+the default, 1, keeps the owner's member alone) members, one per agent: losing any one agent, its etcd member and that member's
 data, leaves a majority that goes on.
 
 How (etcd's runtime reconfiguration, safe on a loaded host):
@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterator
 
-from resilient.etcd.api import EtcdError, EtcdUnavailable
+from resilient.etcd.api import EtcdError
+from resilient.etcd.client import voter_urls
 from resilient.errors import LaunchError
 
 __all__ = ["MemberSettings", "ClusterMember", "GUARD", "MARKS", "voter_endpoints"]
@@ -77,8 +78,7 @@ def voter_endpoints(members: list[dict]) -> str:
     """``host:port,...`` of the voting members' client URLs (the rdzv endpoint form)."""
     from urllib.parse import urlsplit
 
-    return ",".join(urlsplit(u).netloc for m in members if not m.get("isLearner")
-                    for u in (m.get("clientURLs") or [])[:1])
+    return ",".join(urlsplit(u).netloc for u in voter_urls(members))
 
 
 class ClusterMember:
@@ -255,10 +255,6 @@ class ClusterMember:
             return
         self._thread = threading.Thread(target=self._tend_loop, name="etcd-members", daemon=True)
         self._thread.start()
-
-    @property
-    def tending_thread(self) -> threading.Thread | None:
-        return self._thread
 
     def _tend_loop(self) -> None:
         while not self._stop.wait(self.settings.tend_every.total_seconds()):

@@ -15,7 +15,7 @@ safe, every agent ends on the same endpoint whatever its timing). The owner's et
   launch``: wait for the other agents of the run to leave, so that their last calls
   succeed at once instead of retrying against a dead etcd).
 
-With ``members`` above 1 (``launch.etcd_members``, 3 by default) the owner's etcd is only the
+With ``members`` above 1 (``launch.etcd_members`` 3 or 5; 1 by default) the owner's etcd is only the
 first member: the agents that join grow it into a cluster of that many members, one per agent
 (:mod:`resilient.control.members`), and from the third agent on losing any one agent leaves the
 job training. With fewer agents the job depends on the first one (said at start), as with

@@ -52,6 +52,7 @@ __all__ = [
     "Lease",
     "LivenessLease",
     "parse_endpoints",
+    "voter_urls",
     "DEFAULT_PORT",
 ]
 
@@ -124,6 +125,12 @@ class CasResult:
 
     succeeded: bool
     kv: KeyValue | None
+
+
+def voter_urls(members: list[dict[str, Any]]) -> list[str]:
+    """The first client URL of each voting member in etcd's member list (a learner serves no
+    request; a member added but not started has no client URL yet)."""
+    return [u for m in members if not m.get("isLearner") for u in (m.get("clientURLs") or [])[:1]]
 
 
 class EtcdClient:
@@ -316,7 +323,7 @@ class EtcdClient:
         except TransportError as e:
             log.debug("etcd member list from %s failed: %s", gw.base_url, e)
             return
-        urls = [u for m in members if not m.get("isLearner") for u in (m.get("clientURLs") or [])[:1]]
+        urls = voter_urls(members)
         if not urls or sorted(urls) == sorted(self.endpoints):
             return
         have = {g.base_url: g for g in self._gw}
