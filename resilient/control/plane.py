@@ -196,12 +196,10 @@ def _live_cluster(run_dir, secret, conf: dict[str, str]) -> str | None:
 
 def _cluster_member(endpoint: str, run_dir, conf: dict[str, str], secret, tls_dir: Path, node: str,
                     settings: MemberSettings) -> ClusterMember:
-    from resilient.etcd import EmbeddedEtcd, EtcdClient
-    from resilient.etcd.server import embedded_tls
+    from resilient.etcd import EtcdClient
 
-    def make_etcd(name: str, join: list[tuple[str, str]]) -> EmbeddedEtcd:
-        return EmbeddedEtcd(root_password=secret.etcd_password, tls=embedded_tls(secret, tls_dir, server=True),
-                            name=name, join=join, extra_args=[f"--election-timeout={settings.election_ms}"])
+    def make_etcd(name: str, join: list[tuple[str, str]]):
+        return _new_etcd(secret, tls_dir, settings.election_ms, name=name, join=join)
 
     def probe(url: str) -> EtcdClient:
         return EtcdClient(url, retry_timeout=settings.probe, request_timeout=settings.probe, **client_kwargs(conf))
@@ -213,14 +211,20 @@ def _cluster_member(endpoint: str, run_dir, conf: dict[str, str], secret, tls_di
                          on_change=lambda members: _write_members(run_dir, secret, members))
 
 
-@contextlib.contextmanager
-def _own_etcd(secret, tls_dir: Path, election_ms: int | None = None):
+def _new_etcd(secret, tls_dir: Path, election_ms: int | None = None, **kw):
+    """An unstarted member of this run's embedded etcd: its login and TLS from the job secret;
+    ``election_ms``: a cluster's election timeout (one member keeps EmbeddedEtcd's own)."""
     from resilient.etcd import EmbeddedEtcd
     from resilient.etcd.server import embedded_tls
 
-    tls = embedded_tls(secret, tls_dir, server=True)
     extra = [f"--election-timeout={election_ms}"] if election_ms else []
-    with EmbeddedEtcd(root_password=secret.etcd_password, tls=tls, extra_args=extra) as etcd:
+    return EmbeddedEtcd(root_password=secret.etcd_password, tls=embedded_tls(secret, tls_dir, server=True),
+                        extra_args=extra, **kw)
+
+
+@contextlib.contextmanager
+def _own_etcd(secret, tls_dir: Path, election_ms: int | None = None):
+    with _new_etcd(secret, tls_dir, election_ms) as etcd:
         def restarted(code: int | None, seconds: float) -> None:
             _say(f"the embedded etcd at {etcd.endpoint} died (exit code {code}); restarted it on the same ports "
                  f"and data in {seconds:.1f} s, the job goes on")
