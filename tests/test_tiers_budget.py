@@ -196,6 +196,23 @@ def test_a_rank_rings_the_agents_doorbell_after_each_version(store):
     assert not (store.path / BELL).exists()
 
 
+def test_the_doorbell_rings_at_a_path_longer_than_a_socket_name(tmp_path):
+    """A store under a deep root (pytest-xdist's temp dirs, a container's /dev/shm) has a
+    doorbell path past the 107 bytes a socket name holds: it still binds and rings."""
+    from resilient.snapshot.nodestore import Doorbell
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    bell = Doorbell(deep)
+    try:
+        assert len(str(bell.path)) > 107 and bell.sock is not None
+        Doorbell.ring(bell.path)
+        assert bell.wait(timedelta(seconds=5))
+    finally:
+        bell.close()
+    assert not bell.path.exists()
+
+
 def test_a_stray_file_in_a_version_directory_does_not_stop_the_listing(store):
     """The replicator lists versions every turn, outside its error handling: a file where
     an attempt directory belongs once raised NotADirectoryError and ended replication."""

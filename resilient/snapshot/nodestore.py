@@ -405,6 +405,29 @@ class Spares:
         return False
 
 
+# A Unix socket's name holds at most 107 bytes (sun_path less its NUL).
+_SOCKET_NAME_MAX = 107
+
+
+@contextlib.contextmanager
+def _socket_name(path: Path):
+    """The name to bind or send to for a socket file at ``path``.
+
+    Why: store paths under a deep ``/dev/shm`` or temp root (pytest-xdist's, a container's)
+    pass the 107 bytes a socket name may hold. A longer path is reached through a descriptor
+    of its directory, ``/proc/self/fd/N/<name>``, which the kernel resolves like the path
+    itself: same file, same permissions."""
+    name = str(path)
+    if len(os.fsencode(name)) <= _SOCKET_NAME_MAX:
+        yield name
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
 class Doorbell:
     """A datagram socket in the store that the agent waits on and each rank rings after
     writing its rank manifest.
@@ -423,8 +446,9 @@ class Doorbell:
                 os.unlink(self.path)  # left by an earlier agent of this store (it is ours now)
             except FileNotFoundError:
                 pass
-            self.sock.bind(str(self.path))
-        except OSError:  # e.g. a path longer than a socket name may be: the agent lists instead
+            with _socket_name(self.path) as name:
+                self.sock.bind(name)
+        except OSError:  # the agent lists instead
             self.sock.close()
             self.sock = None
 
@@ -458,9 +482,9 @@ class Doorbell:
     def ring(path: Path) -> None:
         """Ring the doorbell at ``path``; never blocks, never fails (rings are hints)."""
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s, _socket_name(path) as name:
                 s.setblocking(False)
-                s.sendto(b"1", str(path))
+                s.sendto(b"1", name)
         except OSError:
             pass
 
