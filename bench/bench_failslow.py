@@ -32,6 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from common import BENCH, fig, goal, row
+from resilient.observe.plots import pyplot
 
 
 FACTORS = (1.1, 1.2, 1.3, 1.5, 2.0, 3.0)
@@ -179,10 +180,9 @@ def replay(history: list, cause: str, factor: float, starts: list[int], span: in
 
 
 def heatmap(cells: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:  # matplotlib not installed: the numbers stand without the picture
+        return
 
     f, ax = plt.subplots(figsize=(6.8, 3.4))
     grid = [[cells[c, x]["median"] if cells[c, x]["median"] is not None else float("nan") for x in FACTORS] for c in CAUSES]

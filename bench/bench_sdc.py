@@ -46,6 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from common import BENCH, DEMO, corpus_path, fig, goal, load_note, row
+from resilient.observe.plots import pyplot
 
 BITS = {"sign": [31], "exp MSB": [30], "exp 23-29": list(range(23, 30)),
         "mant 16-22": list(range(16, 23)), "mant 0-15": list(range(16))}
@@ -366,10 +367,9 @@ def heatmap(rates: dict, counts: dict, path: Path, title: str, cols: list[str] =
             labels: dict[str, str] = KIND_LABEL) -> None:
     """Detection rate per (bit class, column) cell; ``cols`` and their ``labels``: the
     tensor kinds here, the injection sites in bench_sdc_compute.py."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:  # matplotlib not installed: the numbers stand without the picture
+        return
 
     rows = list(BITS)
     grid = [[rates[r, c] for c in cols] for r in rows]

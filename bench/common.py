@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from resilient.observe.plots import pyplot
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
 DEMO = REPO / "configs" / "demo.toml"
@@ -410,10 +412,9 @@ def step_gaps(run_dir: Path, skip: int = 5) -> list[float]:
 # --------------------------------------------------------------------- plots
 def plot_figures(name: str, result: dict, out_dir: Path) -> list[str]:
     """One bar chart per unit: medians with min–max whiskers. Returns PNG file names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:  # matplotlib not installed: the numbers stand without the picture
+        return []
 
     by_unit: dict[str, list[tuple[str, dict]]] = {}
     for key, f in result.get("figures", {}).items():

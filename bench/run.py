@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # a plot is not worth the row's numbers
             traceback.print_exc()
             res["png"] = []
+        # only the pictures drawn (none without matplotlib: resilient.observe.plots)
+        res["png"] = [p for p in res["png"] if (out_dir / p).exists()]
         (out_dir / f"{name}.json").write_text(json.dumps(res, indent=1))
         for k, rt in res.get("ratios", {}).items():
             print(f"   {rt['label']}: {rt['value']}{rt.get('unit', 'x')}", flush=True)

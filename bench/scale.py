@@ -51,6 +51,7 @@ from scale_node import fleet_main  # noqa: E402
 
 from resilient.etcd.client import EtcdClient  # noqa: E402
 from resilient.etcd.testing import unique_run_id  # noqa: E402
+from resilient.observe.plots import pyplot  # noqa: E402
 from resilient.snapshot.memcommit import commit_key  # noqa: E402
 
 
@@ -329,12 +330,8 @@ def _settled_compaction(client: EtcdClient) -> None:
 
 
 def plot(results: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:  # matplotlib not installed: the numbers stand without the picture
         return False
     ns = [r["nodes"] for r in results]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

@@ -20,6 +20,7 @@ from typing import Any, Iterable
 
 from resilient.errors import ConfigError
 from resilient.observe.goodput import PARTS, Goodput, goodput
+from resilient.observe.plots import pyplot
 
 from .injectors import InjectionRecord
 from .properties import PropertyResult, check_timeline
@@ -176,13 +177,13 @@ def goodput_markdown(g: Goodput) -> list[str]:
 
 
 def plot_timeline(timeline: list[dict], eps: list[Episode], path: str | os.PathLike, title: str = "",
-                  good: Goodput | None = None) -> Path:
+                  good: Goodput | None = None) -> Path | None:
     """Step against time per rank; faults (red), restores (▲) and recoveries
     (green) marked; below, the goodput band (what each stretch of wall time was).
-    Uses the Agg backend: no display needed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Uses the Agg backend: no display needed. None: not drawn (no matplotlib)."""
+    plt = pyplot()
+    if plt is None:  # matplotlib not installed: the numbers stand without the picture
+        return None
 
     t0 = timeline[0]["time"] if timeline else 0.0
     fig, (ax, band) = plt.subplots(2, 1, figsize=(11, 5.8), sharex=True, gridspec_kw={"height_ratios": [8, 1]})
@@ -279,6 +280,7 @@ def report(run_dir: str | os.PathLike, *, bound: timedelta = timedelta(seconds=6
                       for e in timeline if e.get("event") == "fault_injected" and "request" not in e]
         name = run_dir.name
     good = goodput(timeline)
-    plot_timeline(timeline, eps, run_dir / TIMELINE_PNG, title=name, good=good)
-    (run_dir / REPORT_MD).write_text(render_markdown(name, timeline, eps, props, injections, good=good))
+    drawn = plot_timeline(timeline, eps, run_dir / TIMELINE_PNG, title=name, good=good)
+    (run_dir / REPORT_MD).write_text(render_markdown(name, timeline, eps, props, injections,
+                                                     png=TIMELINE_PNG if drawn else None, good=good))
     return 0 if verdict(props, injections) else 1
