@@ -129,8 +129,16 @@ def test_pipeline_param_flip_at_rest_rolls_back(pool, corpus, clean, tmp_path):
     suspects = events(run, "sdc_suspect")
     assert suspects and all(s["suspect_rank"] == 2 and s["step"] == 3 and s["kind"] == "param_at_rest"
                             for s in suspects), suspects
-    (rollback,) = [e for e in events(run, "rollback") if e["rank"] == 0 and "step" not in e]
-    assert 0 < rollback["to_step"] <= 2
+    (decided,) = [e for e in events(run, "rollback") if e["rank"] == 0 and "step" in e]   # the monitor's
+    (rollback,) = [e for e in events(run, "rollback") if e["rank"] == 0 and "step" not in e]  # the job's
+    assert decided["to_step"] in (1, 2)
+    # The newest durable version at or below the verified step, committed before the rollback.
+    # Not always step 1 or 2: the committer commits the newest version whose ranks all uploaded,
+    # so on a loaded host a slow rank's step 1 is passed over for step 2 and the rollback to 1
+    # goes back to the initial state (step 0): the same run, a few steps redone.
+    committed = [e["step"] for e in events(run, "commit")
+                 if e["tier"] == "durable" and e["time"] < rollback["time"] and e["step"] <= decided["to_step"]]
+    assert rollback["to_step"] == max(committed, default=0), (committed, rollback)
     assert digests == clean("1f1b")[1]
 
 def test_post_scale_of_the_pipeline_schedules():
