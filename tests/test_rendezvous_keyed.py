@@ -209,6 +209,27 @@ def test_rides_through_an_etcd_restart():
             _shutdown(hs)
 
 
+def test_a_members_waiting_check_says_etcd_is_gone_within_its_own_retry_not_the_clients():
+    """An agent asks for waiting nodes at every healthy check; blocked in that read for the
+    client's whole outage budget, it could not see meanwhile that the control plane left with
+    its owner. The check retries for ``waiting_check_retry`` (5 s), whatever the client's."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    with embedded_etcd() as server:
+        run_id = unique_run_id("keyed-gone")
+        hs = [_handler(server.endpoint, run_id, 2, 2, retry_timeout=3600) for _ in range(2)]
+        try:
+            _one_membership(hs, _rendezvous(hs))
+            assert hs[0].num_nodes_waiting() == 0
+            server.kill()
+            time.sleep(0.1)  # past the answer kept for one poll interval
+            with pytest.raises(RendezvousError, match="reading rendezvous round"):
+                hs[0].num_nodes_waiting()   # an hour of the client's retries would time the test out
+        finally:
+            server.restart()
+            _shutdown(hs)
+
+
 def test_a_forged_membership_is_refused_not_used(etcd):
     run_id = unique_run_id("keyed-forged")
     h = _handler(etcd.endpoint, run_id, 2, 2, join_timeout=5)

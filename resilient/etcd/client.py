@@ -472,10 +472,12 @@ class EtcdClient:
             raise
         return True
 
-    def txn(self, compare: list[dict], success: list[dict], failure: list[dict]) -> dict[str, Any]:
-        """A raw v3 transaction (gateway JSON; keys/values base64)."""
+    def txn(self, compare: list[dict], success: list[dict], failure: list[dict],
+            retry_timeout: timedelta | None = None) -> dict[str, Any]:
+        """A raw v3 transaction (gateway JSON; keys/values base64), retried for ``retry_timeout``
+        (default: the client's) while etcd does not answer."""
         body = {"compare": compare, "success": success, "failure": failure}
-        return self._post("/kv/txn", body, "txn")
+        return self._post("/kv/txn", body, "txn", retry_timeout)
 
     def compare_and_swap(
         self,

@@ -92,6 +92,13 @@ class KeyedSettings:
     # watches that key (resilient.etcd.watch) and polls this many times less often: etcd says
     # when to read. Only the round's closer, which counts the arrivals, polls at the full rate.
     watched_slowdown: int = 5
+    # How long the running members' periodic check (:meth:`num_nodes_waiting`) retries an etcd
+    # that does not answer before it says so. Why not the client's 30 s: the check comes again
+    # a moment later anyway, and an agent blocked inside it learns nothing else meanwhile
+    # (measured: the embedded etcd's owner killed, the other agent sat 30 s in this read
+    # before it saw the control plane was gone). Long enough for a member of a three-member
+    # cluster to fail over (1-2 s of election, a login).
+    waiting_check_retry: timedelta = timedelta(seconds=5)
 
 
 class KeyedRendezvousHandler(RendezvousHandler):
@@ -160,7 +167,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         now = time.monotonic()
         if self._waiting is not None and self._waiting[0] == r and now < self._waiting[1]:
             return self._waiting[2]
-        got = self._poll(r, count=f"{self.base}/{r}/wait/")
+        got = self._poll(r, count=f"{self.base}/{r}/wait/", retry=self.settings.waiting_check_retry)
         if got.round != r:
             waiting = 1
         else:
@@ -277,10 +284,12 @@ class KeyedRendezvousHandler(RendezvousHandler):
         oldest: str | None  # the oldest join key of round r (its closer)
         revision: int = 0   # etcd's revision of this read (a watch reports what changed since)
 
-    def _poll(self, r: int, count: str, joining: bool = False) -> "KeyedRendezvousHandler._Seen":
+    def _poll(self, r: int, count: str, joining: bool = False,
+              retry: timedelta | None = None) -> "KeyedRendezvousHandler._Seen":
         """The round counter, round r's ``done``, how many keys under ``count``, ``closed``,
         whether this node's join key is there, and (``joining``) round r's oldest joiner: one
-        transaction of small reads.
+        transaction of small reads, retried for ``retry`` (default: the client's) while etcd
+        does not answer.
 
         Only a joining node reads the O(N) ``done`` record and asks for the oldest joiner
         (it may be the round's closer). The members' own checks (:meth:`round_lost`,
@@ -299,7 +308,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         if joining:
             ops.append({"request_range": {**_range(f"{self.base}/{r}/join/"), "limit": 1, "keys_only": True,
                                           "sort_target": "CREATE", "sort_order": "ASCEND"}})
-        resp = _translate(f"reading rendezvous round {r}", lambda: self.client.txn([], ops, []))
+        resp = _translate(f"reading rendezvous round {r}", lambda: self.client.txn([], ops, [], retry_timeout=retry))
         reads = [_response(x, "range") for x in resp.get("responses") or []]
         kvs = [(x.get("kvs") or [None])[0] for x in reads]
         round_now = self._round_of(_decode(kvs[0]["value"])) if kvs[0] else 0
