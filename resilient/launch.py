@@ -486,8 +486,10 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
         sync = AUTO_SYNC if lc.etcd_members > 1 else None   # one member: no others to follow
         rdzv_conf = {**parse_rdzv_conf(args.rdzv_conf),
                      **({} if args.rdzv_endpoint else embedded_etcd_conf(secret, auto_sync=sync))}
+        # destroy_at_exit: our workers leave with os._exit, never through the exit it guards.
         conf = {"last_call_timeout": lc.last_call_timeout, "keep_alive_interval": lc.keep_alive_interval,
-                "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, "handler": lc.rendezvous, **rdzv_conf}
+                "keep_alive_max_attempt": 3, "join_timeout": lc.join_timeout, "handler": lc.rendezvous,
+                "destroy_at_exit": "false", **rdzv_conf}
         params = RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id=run_id,
                                       min_nodes=min_nodes, max_nodes=max_nodes, **conf)
         handler = rendezvous_handler_registry.create_handler(params)

@@ -66,7 +66,8 @@ def test_wheel_carries_every_module_and_data_file(wheel):
     files = checkout_files()
     missing = sorted(expected_in_wheel(files) - names)
     assert not missing, f"not in the wheel (pyproject.toml packages / package-data): {missing}"
-    for must in ("resilient/sdc/native.c", "resilient_configs/demo.toml", "resilient_chaos/scenarios/kill-worker.toml"):
+    for must in ("resilient/sdc/native.c", "resilient_configs/demo.toml", "resilient_chaos/scenarios/kill-worker.toml",
+                 "resilient/rendezvous/worker_site/sitecustomize.py"):
         assert must in names
 
 

@@ -173,6 +173,16 @@ def test_register_and_entry_point(etcd):
     assert shared.use_agent_store is True  # what torch does by default, and what breaks restarts
 
 
+def test_torchrun_workers_get_the_exit_hook_unless_told_not_to(etcd, monkeypatch):
+    from resilient.rendezvous.worker_exit import SITE_DIR
+
+    monkeypatch.setenv("PYTHONPATH", "/opt/mine")
+    create_etcd3_handler(_params(etcd.endpoint, unique_run_id(), destroy_at_exit="false"))
+    assert os.environ["PYTHONPATH"] == "/opt/mine"   # resilient launch's choice: its workers os._exit
+    create_etcd3_handler(_params(etcd.endpoint, unique_run_id()))
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(SITE_DIR), "/opt/mine"]
+
+
 def test_bad_config_is_typed(etcd):
     with pytest.raises(RendezvousConfigError, match="seconds"):
         create_etcd3_handler(_params(etcd.endpoint, unique_run_id(), join_timeout="soon"))

@@ -9,6 +9,7 @@ addresses and hang or fail).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -151,6 +152,19 @@ def test_shared_tcp_store_leaks_previous_attempt(tmp_path):
         assert json.loads((out / f"stale.{rank}").read_text()) == {"stale": True}, text[-4000:]
 
 
+@contextlib.contextmanager
+def _cpu_hogs(n: int):
+    """n busy processes for the block's length: a loaded host."""
+    procs: list[subprocess.Popen] = []
+    try:
+        procs += [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 # Four lines, as a user writes them: no destroy_process_group().
 PLAIN = "import torch, torch.distributed as dist\n" \
         "dist.init_process_group('gloo')\n" \
@@ -158,28 +172,31 @@ PLAIN = "import torch, torch.distributed as dist\n" \
         "print(f'rank {dist.get_rank()} sum {t.item()}')\n"
 
 
-# Issue 44, open: rank 0's worker (which hosts the attempt's TCPStore: the etcd3 handler turns
-# torch's shared store off) now and then aborts at interpreter exit ("terminate called without
-# an active exception", exit -6) when the script never calls destroy_process_group(); seen under
-# load only (1 of ~35 runs here), cause not found. Not in CI (an xfail there could not fail and
-# cost 20 s a run); a soak that must pass once it is fixed:
-#   RESILIENT_SOAK_RUNS=40 python3 -m pytest -q tests/test_rendezvous_torchrun.py -k destroy
-SOAK_RUNS = int(os.environ.get("RESILIENT_SOAK_RUNS", "0"))
+# Issue 44: a script that never calls destroy_process_group() aborted at interpreter exit now
+# and then ("terminate called without an active exception", exit -6: 4 of 30 runs beside 3 CPU
+# hogs, on torch's c10d rendezvous too); the etcd3 rendezvous now gives its workers an exit hook
+# (resilient/rendezvous/worker_exit.py; tests/test_rendezvous_worker_exit.py tests it
+# deterministically). Run twice here, where it rarely showed; the soak that showed it (add
+# RESILIENT_SOAK_RDZV_CONF=destroy_at_exit=false to see it fail without the hook):
+#   RESILIENT_SOAK_RUNS=30 RESILIENT_SOAK_HOGS=3 python3 -m pytest -q tests/test_rendezvous_torchrun.py -k destroy
+SOAK_RUNS = int(os.environ.get("RESILIENT_SOAK_RUNS", "2"))
+SOAK_HOGS = int(os.environ.get("RESILIENT_SOAK_HOGS", "0"))  # busy processes beside it: a loaded host
+SOAK_RDZV_CONF = os.environ.get("RESILIENT_SOAK_RDZV_CONF", "")
 
 
-@pytest.mark.skipif(not SOAK_RUNS, reason="a soak (issue 44): set RESILIENT_SOAK_RUNS=N to run it N times")
+@pytest.mark.timeout(30 + 60 * SOAK_RUNS)
 def test_a_script_without_destroy_process_group_ends_cleanly_every_time(tmp_path):
-    """Issue 44: reported as SIGABRT at interpreter exit ("terminate called without an active
-    exception") in 2 of 3 runs of this script, rank 0's worker hosting its own store (the
-    etcd3 handler turns torch's shared store off). SOAK_RUNS runs, each must exit 0 on every rank."""
+    """Issue 44: SOAK_RUNS runs of a script that never calls destroy_process_group(), each must
+    exit 0 on every rank with no abort at interpreter exit."""
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     env.update(OMP_NUM_THREADS="1")
-    with embedded_etcd() as etcd:
+    with embedded_etcd() as etcd, _cpu_hogs(SOAK_HOGS):
         for attempt in range(SOAK_RUNS):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=etcd3",
                    f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={unique_run_id('plain')}",
+                   *([f"--rdzv-conf={SOAK_RDZV_CONF}"] if SOAK_RDZV_CONF else []),
                    "--nnodes=1", "--nproc-per-node=2", f"--log-dir={tmp_path / f'log{attempt}'}", str(script)]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                                     start_new_session=True)

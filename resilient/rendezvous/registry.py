@@ -39,6 +39,9 @@ keep_alive_interval, keep_alive_max_attempt
 poll_interval        how often a joining (or waiting spare) node reads the
                      shared state (default 0.1; torch's: 1); see handler.py
 share_tcp_store      default false; see below
+destroy_at_exit      default true: each worker ends its default process group
+                     at interpreter exit if the script did not, which torch
+                     2.13 otherwise aborts now and then (:mod:`.worker_exit`)
 handler              torch (default: torch's DynamicRendezvousHandler on one
                      state key) or keys (:mod:`.keyed`: a key per node, for
                      fleets of hundreds of nodes; same interface)
@@ -79,6 +82,7 @@ from resilient.rendezvous.etcd3_backend import (
     Etcd3RendezvousBackend,
     Etcd3Store,
 )
+from resilient.rendezvous.worker_exit import install_worker_exit_hook
 from resilient.secret import require_secret
 
 __all__ = ["BACKEND_NAME", "register", "create_etcd3_handler", "create_backend", "client_from_params"]
@@ -200,6 +204,8 @@ def _create_handler(params: RendezvousParameters) -> Any:
             log.warning("%s=0 was set explicitly; the etcd3 rendezvous overrides it to 1 "
                         "(pass share_tcp_store=true to keep the shared store)", SHARE_STORE_ENV)
         os.environ[SHARE_STORE_ENV] = "1"
+    if params.get_as_bool("destroy_at_exit", True):
+        install_worker_exit_hook()
     kind = _opt(params, "handler") or "torch"
     if kind not in ("torch", "keys"):
         raise RendezvousConfigError(f"--rdzv-conf handler={kind!r}: use 'torch' (one state key, the default) "
