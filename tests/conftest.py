@@ -26,6 +26,19 @@ def reclaim_what_killed_agents_leave():
     reclaim_dirs(tempfile.gettempdir(), "resilient-agent-")
 
 
+@pytest.fixture(autouse=True)
+def pythonpath_as_it_was():
+    """An etcd3 rendezvous handler made in this process puts the torchrun workers' exit hook
+    first on PYTHONPATH (resilient.rendezvous.worker_exit); later tests' processes (agents,
+    workers that leave with os._exit) must not inherit it."""
+    saved = os.environ.get("PYTHONPATH")
+    yield
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved
+
+
 @pytest.fixture(scope="session")
 def attacker():
     """A second local user without the job's secret (tests/attackutil.py), for the whole
