@@ -212,3 +212,27 @@ def test_the_heartbeat_deadline_follows_the_jobs_step_time(tmp_path):
     os.utime(fresh.path(0), (now - 150, now - 150))
     quiet, limit = fresh.silent_for(0)          # no steps measured: the configured 30 s
     assert limit == 30 and quiet >= 150
+
+
+def test_a_bounded_wait_beats_for_its_bound_and_then_falls_silent(tmp_path):
+    """HeartbeatWriter.while_waiting(limit=...): the agent sees beats while the wait is within
+    its bound, then silence, so its own deadline judges a wait that outlasts the bound."""
+    import os
+    import time
+    from datetime import timedelta
+
+    from resilient.agent.heartbeat import HeartbeatWriter
+
+    path = tmp_path / "worker0.beat"
+    writer = HeartbeatWriter(str(path))
+    writer.beat()
+    os.utime(path, (0, 0))
+    start = time.monotonic()
+    with writer.while_waiting(every=timedelta(milliseconds=10), limit=timedelta(milliseconds=200)):
+        while os.stat(path).st_mtime == 0 and time.monotonic() - start < 60:
+            time.sleep(0.01)
+        assert os.stat(path).st_mtime > 0          # beating within the bound
+        time.sleep(max(0.0, start + 3 - time.monotonic()))
+        after_bound = os.stat(path).st_mtime
+        time.sleep(1)
+        assert os.stat(path).st_mtime == after_bound   # silent past it

@@ -220,6 +220,45 @@ def test_a_link_is_named_only_where_a_second_probe_places_it_too(tmp_path, monke
     assert events[0]["evidence"]["unconfirmed_at"] == "n0"
 
 
+def test_a_probe_keeps_the_workers_heartbeat_going_for_its_bound(tmp_path, monkeypatch):
+    """A probe over the lossy link it looks for is as slow as that link (CI: a loaded host took
+    it past the agent's 30 s deadline, which killed healthy workers as hung and re-formed the
+    job before the link was named). The worker's heartbeat beats while it runs, for PROBE_BOUND."""
+    import os
+    import time
+    from datetime import timedelta
+
+    from resilient.agent.heartbeat import HeartbeatWriter
+    from resilient.events import EventLog
+    from resilient.failslow import monitor
+
+    beat = tmp_path / "worker0.beat"
+    writer = HeartbeatWriter(str(beat))
+    writer.beat()
+    os.utime(beat, (0, 0))
+    bounds = []
+
+    def keep_alive(bound):
+        bounds.append(bound)
+        return writer.while_waiting(every=timedelta(milliseconds=10), limit=bound)
+
+    def slow_probe(*_):   # returns once the agent has seen a beat from inside it
+        start = time.monotonic()
+        while os.stat(beat).st_mtime == 0 and time.monotonic() - start < 60:
+            time.sleep(0.01)
+        return [0.04] * 3, [0.09, 0.12, 0.0011] if os.stat(beat).st_mtime else [0.0] * 3
+
+    monkeypatch.setattr(monitor, "run_probe", slow_probe)
+    mon = monitor.FailSlowMonitor(FailSlowConfig(), group=None, rank=0, world=3, node="n0",
+                                  events=EventLog(tmp_path / "events.jsonl", rank=0), keep_alive=keep_alive)
+    try:
+        mon.nodes = ["n0", "n1", "n2"]
+        assert mon._probe()["slow_node"] == "n1", "no beat while the probe ran"
+        assert bounds == [monitor.PROBE_BOUND]
+    finally:
+        mon.close()
+
+
 def _straggler(factor: float, cause: str = "device") -> Straggler:
     return Straggler(step=100, cause=cause, factor=factor, slow_rank=1, slow_ranks=[1], slow_node="b",
                      steps_of_evidence=5)

@@ -64,13 +64,18 @@ class HeartbeatWriter:
             return None
 
     @contextlib.contextmanager
-    def while_waiting(self, every: timedelta = timedelta(seconds=1)):
+    def while_waiting(self, every: timedelta = timedelta(seconds=1), limit: timedelta | None = None):
         """Beat from a thread during a long wait that has its own bound (the
-        final upload, shutdown): the agent must not take it for a hang."""
+        final upload, shutdown): the agent must not take it for a hang. With
+        ``limit``, the beats stop after that long: a wait that outlasts it is
+        judged by the agent's deadline again, from its last beat."""
         stop = threading.Event()
+        until = None if limit is None else time.monotonic() + limit.total_seconds()
 
         def loop() -> None:
             while not stop.wait(every.total_seconds()):
+                if until is not None and time.monotonic() >= until:
+                    return
                 self.beat()
 
         thread = threading.Thread(target=loop, name="heartbeat", daemon=True)

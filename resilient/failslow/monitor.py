@@ -39,11 +39,13 @@ re-form at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from datetime import timedelta
 from statistics import median
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -86,13 +88,30 @@ def process_age_seconds() -> float:
     return max(0.0, time.time() - psutil.Process().create_time())
 
 
+# How long a probe may keep its worker's heartbeat going. Why: a probe is a step boundary
+# with no beat, and over the link it probes it is as slow as that link: ~7 s each on an idle
+# host for the CI campaign's fifth of the packets dropped, several times that on a loaded one,
+# past the agent's 30 s deadline, which then killed healthy workers as hung and re-formed the
+# job before the link was named. A probe hung on a dead peer is still found, this much later.
+PROBE_BOUND = timedelta(minutes=2)
+
+
+def _no_keep_alive(bound: timedelta) -> ContextManager[Any]:
+    return contextlib.nullcontext()
+
+
 class FailSlowMonitor:
     """See the module doc. ``group``: the gloo group of the step-boundary all-reduce (None
     for a job of one rank: the timer still runs for ``job.phase``, nothing is judged)."""
 
     def __init__(self, cfg: FailSlowConfig, *, group: Any, rank: int, world: int, node: str, events: Any,
-                 device: Any = None, trace: str | os.PathLike | None = None):
+                 device: Any = None, trace: str | os.PathLike | None = None,
+                 keep_alive: Callable[[timedelta], ContextManager[Any]] = _no_keep_alive):
+        """``keep_alive(bound)``: a context that tells the agent this worker is alive for up to
+        ``bound`` (the worker's heartbeat, :meth:`HeartbeatWriter.while_waiting`), held while a
+        probe runs."""
         cfg.validate()
+        self.keep_alive = keep_alive
         self.cfg, self.group, self.rank, self.world, self.events = cfg, group, rank, world, events
         self.device = device   # where the probe computes
         self.clock = CollectiveClock().install() if cfg.enable else None
@@ -184,7 +203,8 @@ class FailSlowMonitor:
             self.courier.hold(ranks)
 
     def _probe(self) -> dict:
-        compute, edges = run_probe(self.group, self.rank, self.world, self.device)
+        with self.keep_alive(PROBE_BOUND):
+            compute, edges = run_probe(self.group, self.rank, self.world, self.device)
         self.timer.lap()   # the probe is no step's time
         return judge(compute, edges, self.nodes)
 

@@ -253,7 +253,8 @@ class Job:
         # ... which the fail-slow monitor runs, telling every rank when rank 0 found a straggler
         self.failslow = FailSlowMonitor(self.config.failslow, group=self._stop_group, rank=self.rank,
                                         world=self.world_size, node=self.events.node, events=self.events,
-                                        device=self.device, trace=self.run_dir / "failslow-trace.jsonl")
+                                        device=self.device, trace=self.run_dir / "failslow-trace.jsonl",
+                                        keep_alive=lambda bound: self.heartbeat.while_waiting(limit=bound))
         self.hooks = self._load_hooks()
 
     # ---------------------------------------------------------------- set-up
