@@ -319,6 +319,11 @@ class ResilientAgent(SimpleElasticAgent):
             try:
                 self._join_round(worker_group)
                 break
+            except RendezvousUnavailable as e:
+                # etcd left while this node joined: the owner of the embedded one was preempted
+                # (SIGTERM) and, its wait for the others over, took etcd with it. Say so, typed.
+                self._raise_if_control_plane_lost(e)
+                raise
             except RendezvousRoundLost as e:
                 # A member of the round just completed died before its workers could
                 # start: join the next round now instead of waiting out the store timeout.
