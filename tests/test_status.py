@@ -101,3 +101,27 @@ def test_status_of_a_running_job_and_of_its_finished_run_dir(corpus, tmp_path, e
     assert text.returncode == 0 and "state: finished" in text.stdout and "exit: training again after" in text.stdout
     bad = status("--rdzv-endpoint", etcd.endpoint, "--once")  # no run id, nowhere to find one
     assert bad.returncode == 2 and "--run-id" in bad.stderr
+
+
+def test_a_running_jobs_etcd_is_found_through_its_members_when_the_owner_is_gone(tmp_path, job_secret):
+    """launch.etcd_members = 3 and the owner lost: the job trains on with the other members,
+    and status reads them from the run dir's sealed members record (issue 38). A record the
+    job's secret did not seal is not followed."""
+    import argparse
+
+    from resilient.control.plane import _write_members
+    from resilient.observe.status import _etcd_target
+    from resilient.secret import JobSecret
+
+    run = tmp_path / "run"
+    run.mkdir()
+    args = argparse.Namespace(run_id=None, rdzv_endpoint=None, run_dir=str(run), secret_file=None)
+    running = {"run_id": "r1", "state": "running"}
+    members = [{"clientURLs": ["https://127.0.0.1:2381"]}, {"clientURLs": ["https://127.0.0.1:2383"]},
+               {"clientURLs": ["https://127.0.0.1:2385"], "isLearner": True}]
+    assert _etcd_target(args, running) is None            # no owner alive, no members record
+    _write_members(run, job_secret, members)
+    assert _etcd_target(args, running) == ("127.0.0.1:2381,127.0.0.1:2383", "r1")
+    assert _etcd_target(args, {**running, "state": "finished"}) is None
+    _write_members(run, JobSecret(b"another job's secret, 32 bytes long", "test"), members)
+    assert _etcd_target(args, running) is None

@@ -37,7 +37,7 @@ from resilient.control.members import ClusterMember, MemberSettings, voter_endpo
 from resilient.errors import LaunchError
 from resilient.rundir import write_private
 
-__all__ = ["embedded_etcd", "client_kwargs", "JOIN_CHECK", "AUTO_SYNC"]
+__all__ = ["embedded_etcd", "client_kwargs", "cluster_endpoints", "JOIN_CHECK", "AUTO_SYNC"]
 # How often the clients of an embedded etcd ask it for its members (EtcdClient auto_sync): a
 # member that joined is known to every client this long after, before another can be lost.
 AUTO_SYNC = timedelta(seconds=5)
@@ -171,17 +171,24 @@ def _write_members(run_dir, secret, members: list[dict]) -> None:
             MEMBERS_PURPOSE, f"{CONTROL_DIR}/{MEMBERS}", {"endpoints": endpoints.split(",")}))
 
 
-def _live_cluster(run_dir, secret, conf: dict[str, str]) -> str | None:
-    """The endpoints of the run dir's etcd cluster (its sealed members record) when a majority
-    of it still answers (a quorum read), else None: none, stale, or not ours."""
-    from resilient.etcd import EtcdClient, EtcdError
+def cluster_endpoints(run_dir, secret) -> list[str]:
+    """The voting members' client endpoints in the run dir's sealed members record (written
+    by the members as they change); [] without one, or when it fails its MAC (not ours)."""
     from resilient.secret import Unauthentic
 
     try:
         raw = (control_dir(run_dir) / MEMBERS).read_bytes()
-        endpoints = [str(e) for e in secret.open_record(MEMBERS_PURPOSE, f"{CONTROL_DIR}/{MEMBERS}", raw)["endpoints"]]
+        return [str(e) for e in secret.open_record(MEMBERS_PURPOSE, f"{CONTROL_DIR}/{MEMBERS}", raw)["endpoints"]]
     except (OSError, Unauthentic, KeyError, TypeError):
-        return None
+        return []
+
+
+def _live_cluster(run_dir, secret, conf: dict[str, str]) -> str | None:
+    """The endpoints of the run dir's etcd cluster (its sealed members record) when a majority
+    of it still answers (a quorum read), else None: none, stale, or not ours."""
+    from resilient.etcd import EtcdClient, EtcdError
+
+    endpoints = cluster_endpoints(run_dir, secret)
     if len(endpoints) < 2:
         return None   # a lone member died with its agent
     try:

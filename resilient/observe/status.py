@@ -290,18 +290,31 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _etcd_target(args: argparse.Namespace, st: dict) -> tuple[str, str] | None:
-    """Where to read etcd from: the options, else a running single-machine job's embedded etcd."""
+    """Where to read etcd from: the options, else a running single-machine job's embedded etcd:
+    its owner's, then the other members' of a cluster (launch.etcd_members = 3), which still
+    answer once the owner is lost."""
     run_id = args.run_id or st.get("run_id")
     if args.rdzv_endpoint:
         if not run_id:
             raise ConfigError("--rdzv-endpoint needs --run-id (the agent_start event of the job names it)")
         return args.rdzv_endpoint, run_id
+    if not run_id or st.get("state") != "running":
+        return None
+    from resilient.agent.quarantine import cli_secret
     from resilient.control.claim import peek_owner
+    from resilient.control.plane import cluster_endpoints
+    from resilient.secret import JobSecretError
 
-    # Not authenticated here: the client's TLS is (only a holder of the job secret serves a
-    # certificate under the CA derived from it), and every record read is (MACs).
-    owner = peek_owner(args.run_dir) if run_id and st.get("state") == "running" else None
-    return (owner.endpoint, run_id) if owner is not None else None
+    # The owner record is not authenticated here: the client's TLS is (only a holder of the job
+    # secret serves a certificate under the CA derived from it), and every record read is (MACs).
+    owner = peek_owner(args.run_dir)
+    endpoints = [owner.endpoint] if owner is not None else []
+    try:
+        members = cluster_endpoints(args.run_dir, cli_secret(args))
+    except JobSecretError:
+        members = []   # from_etcd says what is missing, when there is an owner to ask
+    endpoints += [e for e in members if e not in endpoints]
+    return (",".join(endpoints), run_id) if endpoints else None
 
 
 def main(argv: list[str]) -> int:
