@@ -2,7 +2,7 @@
 how often a clean run is accused, and what the timing costs.
 
 On 4 gloo ranks of a tiny data-parallel loop under ``resilient.Job``
-(``resilient.failslow.drill``: gradients averaged with ``dist.all_reduce``, no timing
+(``resilient_chaos.failslow_drill``: gradients averaged with ``dist.all_reduce``, no timing
 code in the loop), on this shared 2-core host:
 
 - **false positives**: ``straggler`` events over ≥ 1,000 clean steps (the live detector,
@@ -204,7 +204,7 @@ def heatmap(cells: dict, path: Path, title: str) -> None:
 
 def run(quick: bool) -> dict:
     from resilient_chaos.slow import SlowProcess
-    from resilient.failslow.drill import run_drill
+    from resilient_chaos.failslow_drill import run_drill
     from resilient.sdc.harness import GlooPool
 
     clean_steps, live = (150, (("device", 2.0),)) if quick else \

@@ -93,7 +93,7 @@ class Checks:
         return {"ref": a, "ref2": b, "bitwise_repeatable": bool(a["digests"]) and a["digests"] == b["digests"]}
 
     def kill(self) -> dict:
-        from resilient.etcd.testing import embedded_etcd
+        from resilient_chaos.etcd_testing import embedded_etcd
 
         run = self.work / "kill"
         run.mkdir()

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from launchutil import REPO, Agent, events, steps_done, wait_for, worker_pids  # noqa: E402
 
 from resilient.gpt.data import prepare  # noqa: E402
-from resilient.etcd.testing import embedded_etcd  # noqa: E402
+from resilient_chaos.etcd_testing import embedded_etcd  # noqa: E402
 
 DEMO = REPO / "configs" / "demo.toml"
 

@@ -50,7 +50,7 @@ from resilient.etcd.cluster import EtcdCluster  # noqa: E402
 from scale_node import fleet_main  # noqa: E402
 
 from resilient.etcd.client import EtcdClient  # noqa: E402
-from resilient.etcd.testing import unique_run_id  # noqa: E402
+from resilient_chaos.etcd_testing import unique_run_id  # noqa: E402
 from resilient.observe.plots import pyplot  # noqa: E402
 from resilient.snapshot.memcommit import commit_key  # noqa: E402
 

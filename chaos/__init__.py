@@ -23,6 +23,9 @@ A campaign is ``resilient chaos run SCENARIO [--out DIR]``
     evaluate(sc, DIR / "faulted", records, reference=..., actual=..., leaks=...)
     exit(report(DIR / "faulted"))                        # 0 only when every property holds
 
+A fail-slow drill (:mod:`.failslow_drill`: a plain data-parallel loop under ``resilient.Job``
+on a process pool, slowed from outside) is what the fail-slow tests and benchmark run.
+
 Inside the job, :mod:`.hooks` carries out bit-flip requests (the trainer
 attaches it when the runner set ``RESILIENT_CHAOS_CONTROL``).
 """

@@ -34,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from resilient.contract import events_path
 from resilient.etcd.cluster import EtcdCluster
 from resilient.events import read_events
 from resilient.procs import kill_tree as _kill_tree
@@ -225,7 +226,7 @@ class LocalJob:
         """The job's events so far (of one kind): read incrementally, since
         a soak's log grows to tens of MB and the handles ask often."""
         with self._events_lock:
-            path = self.run_dir / "events.jsonl"
+            path = events_path(self.run_dir)
             try:
                 with open(path, "rb") as f:
                     f.seek(self._events_offset)
@@ -486,7 +487,7 @@ def _store_dir(config: Path, overrides: list[str]) -> str:
 def final_state(run_dir: Path) -> "FinalState | None":
     """The run's final parameters (per-rank digests of the newest layout)
     and its loss curve, from its event log; None if it never finished."""
-    path = Path(run_dir) / "events.jsonl"
+    path = events_path(run_dir)
     if not path.exists():
         return None
     evs = list(read_events(path))

@@ -35,6 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from resilient.contract import events_path
 from resilient.errors import ConfigError
 from resilient.snapshot.storeroot import user_root
 from resilient.procs import ignore_stop_signals
@@ -224,7 +225,7 @@ def _failures_after_end(run_dir: Path) -> list[str]:
     run_end (a worker that hangs or dies on its way out)."""
     from resilient.events import read_events
 
-    path = run_dir / "events.jsonl"
+    path = events_path(run_dir)
     evs = list(read_events(path)) if path.exists() else []
     world, done, t_end = 0, set(), None
     for e in evs:  # the moment every rank of the layout had first finished

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from resilient.contract import EVENTS_FILE
 from resilient.rundir import open_private
 
 # Event kinds, grouped by who writes them. docs/events.md describes each.
@@ -104,7 +105,7 @@ def merge_events(paths: list[str | os.PathLike]) -> list[dict]:
     return merged
 
 
-LOG_PATTERNS = ("events.jsonl", "*/events.jsonl", "*/*/events.jsonl")   # a run dir's logs, not its checkpoint trees
+LOG_PATTERNS = (EVENTS_FILE, f"*/{EVENTS_FILE}", f"*/*/{EVENTS_FILE}")   # a run dir's logs, not its checkpoint trees
 
 
 class EventTail:

@@ -32,7 +32,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shlex
 import signal
 import socket
@@ -43,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from resilient.contract import SCRIPT_ENTRY, check_name, default_run_id, events_path
 from resilient.errors import ConfigError, LaunchError, ResilientError
 from resilient.launch_args import LaunchUsageError, add_arguments, parse_args  # noqa: F401  (the command line)
 from resilient.rundir import RunDirUnsafe, local_path, private_dir, write_private
@@ -76,7 +76,6 @@ def _digest(doc: dict) -> str:
 
 # -- a user's script ----------------------------------------------------------------------
 
-SCRIPT_ENTRY = "resilient.agent.script"
 # What torchrun scripts import on their way to the first step (DDP, FSDP2), and our runner.
 SCRIPT_PRELOAD = ("torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp", SCRIPT_ENTRY)
 
@@ -218,17 +217,6 @@ def worker_env(nproc: int) -> dict[str, str]:
 
 # Node and run ids name files (the node store under /dev/shm, temp dirs) and etcd keys:
 # a "/" or ".." in one would reach outside the store, and a store is removed with rmtree.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def check_name(flag: str, value: str) -> str:
-    """``value`` if it is a safe node/run id, else a :class:`ConfigError` naming ``flag``."""
-    if not _NAME.fullmatch(value) or ".." in value:
-        raise ConfigError(f"{flag} {value!r} is not a valid name: use letters, digits, '.', '_' and '-' "
-                          "(at most 128, starting with a letter or digit, no '..')")
-    return value
-
-
 @dataclass
 class Run:
     """One node's launch, resolved: the program and where and how many."""
@@ -387,12 +375,6 @@ def wait_for_agents_to_leave(etcd, run_id: str, node: str | None, bound: timedel
         return others
 
 
-def default_run_id(run_dir: Path) -> str:
-    """The job id agents derive when --run-id is not given: the same run dir
-    (resolved path) gives the same id on every node."""
-    return "run-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
-
-
 # The --rdzv-conf keys that say how to reach etcd (TLS, auth, timeouts): workers need them too.
 _ETCD_KEYS = {"protocol", "ca_cert", "cacert", "ssl_cert", "cert", "ssl_cert_key", "key", "username", "user",
               "request_timeout", "retry_timeout", "auto_sync"}
@@ -470,7 +452,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
     lc = program.runtime.launch
     min_nodes, max_nodes = run.nnodes
     run_id = args.run_id or default_run_id(run_dir)
-    events = EventLog(run_dir / "events.jsonl", node=node, rank=-1)
+    events = EventLog(events_path(run_dir), node=node, rank=-1)
     # The quarantine's copies beside etcd's, where a relaunch finds them (resilient.ledger)
     ledger = run_copies(run_dir, program.runtime.snapshot.durable_url)
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"})
@@ -554,7 +536,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
         if agent.quarantined:
             raise LaunchError(quarantined_message(node, others, min_nodes, run_dir, clear_hint(args, run_dir, run_id)))
         if result.is_failed():
-            raise LaunchError(f"training failed: {agent.give_up_reason(result)}; see {run_dir / 'events.jsonl'}")
+            raise LaunchError(f"training failed: {agent.give_up_reason(result)}; see {events_path(run_dir)}")
     return 0
 
 
@@ -574,7 +556,7 @@ def rendezvous_failed_message(error: BaseException, registry, node: str, min_nod
         f"nodes registered now: {', '.join([node, *others])}")
     return (f"the rendezvous did not complete ({type(error).__name__}: {error}); the job needs at least {min_nodes} "
             f"node(s) within launch.join_timeout ({join_timeout:.0f} s), and {there}. Start the missing nodes (a node "
-            f"that stopped says why in its output and in {run_dir / 'events.jsonl'}: an `agent_stop` event), "
+            f"that stopped says why in its output and in {events_path(run_dir)}: an `agent_stop` event), "
             "then relaunch this one")
 
 
@@ -603,7 +585,7 @@ def quarantined_message(node: str, others: list[str] | None, min_nodes: int, run
     """Why this node stopped, and what is next: the others go on, or, with fewer than the job's
     minimum left (the only node, say), the job cannot go on here until the node is cleared or replaced."""
     why = (f"node {node!r} was quarantined: one of its devices computed wrong answers (see the sdc_* events in "
-           f"{run_dir / 'events.jsonl'}), and it is refused until cleared")
+           f"{events_path(run_dir)}), and it is refused until cleared")
     clear = f"`resilient quarantine clear {node} {hint}`"
     if others is not None and len(others) >= min_nodes:
         return (f"{why}; the other nodes ({', '.join(others)}) go on without it. After checking or replacing its "

@@ -16,6 +16,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from resilient.contract import RUNTIME_CONFIG_ENV  # where the launcher tells a worker its resolved config (JSON)
 from resilient.configbase import check_bounds, knob, load_section, read_toml, section_to_dict
 from resilient.errors import ConfigError
 from resilient.failslow.api import FailSlowConfig
@@ -29,8 +30,6 @@ __all__ = ["RuntimeConfig", "SnapshotConfig", "SdcConfig", "LaunchConfig", "load
 # The sections a runtime config may hold; any other (model, train, ...) belongs to a
 # trainer's own config.
 RUNTIME_SECTIONS = ("snapshot", "sdc", "launch", "failslow")
-# Where the launcher tells a worker its resolved runtime config (JSON).
-RUNTIME_CONFIG_ENV = "RESILIENT_RUNTIME_CONFIG"
 
 
 @dataclass
@@ -66,7 +65,7 @@ class LaunchConfig:
     # scraper on another machine needs "0.0.0.0" or the interface facing it. Local users reach
     # loopback too: the page holds no secret and no training data.
     metrics_host: str = knob("127.0.0.1", "Prometheus metrics: the address /metrics is served on; 127.0.0.1 = this machine only (the default: the page names the node, run id, step, failure and auth-failure counts), 0.0.0.0 = every interface (a scraper on another machine)")
-    metrics_port: int | str = knob(0, "Prometheus metrics of this agent (resilient.observe.metrics): the HTTP port to serve /metrics on, 0 = a free one (its address is the run's `metrics` event), -1 or \"off\" = no metrics")
+    metrics_port: int | str = knob(0, "Prometheus metrics of this agent (resilient.agent.metrics): the HTTP port to serve /metrics on, 0 = a free one (its address is the run's `metrics` event), -1 or \"off\" = no metrics")
 
     def __post_init__(self) -> None:
         # A wait or period of 0 (or below) would spin or declare everything lost at once; the

@@ -79,7 +79,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def etcd():
     """A real etcd server for the tests of one module (skips if no binary)."""
-    from resilient.etcd.testing import embedded_etcd
+    from resilient_chaos.etcd_testing import embedded_etcd
 
     with embedded_etcd() as server:
         yield server

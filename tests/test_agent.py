@@ -156,14 +156,15 @@ def test_a_final_snapshot_that_cannot_be_written_fails_the_run(corpus, tmp_path)
 
 def test_a_node_whose_worker_leaves_for_quarantine_admits_nobody_until_it_has(tmp_path):
     """The bad node's worker marks itself before the barrier its peers leave by; until it
-    has exited (QUARANTINE_EXIT), its agent reports no waiting node, so it cannot restart
+    has exited (WorkerExit.QUARANTINE), its agent reports no waiting node, so it cannot restart
     (kill) the worker and lose the exit code (tests/test_sdc_train.py saw the node re-join
     and corrupt the replayed step again). The mark goes with the worker's slot."""
     from datetime import timedelta
     from types import SimpleNamespace
 
     from resilient.agent.agent import ResilientAgent
-    from resilient.agent.heartbeat import HeartbeatMonitor, HeartbeatWriter
+    from resilient.agent.heartbeat import HeartbeatMonitor
+    from resilient.job.heartbeat import HeartbeatWriter
 
     monitor = HeartbeatMonitor(tmp_path / "beats", timedelta(seconds=30), timedelta(seconds=60))
     monitor.reset(0)
@@ -221,7 +222,7 @@ def test_a_bounded_wait_beats_for_its_bound_and_then_falls_silent(tmp_path):
     import time
     from datetime import timedelta
 
-    from resilient.agent.heartbeat import HeartbeatWriter
+    from resilient.job.heartbeat import HeartbeatWriter
 
     path = tmp_path / "worker0.beat"
     writer = HeartbeatWriter(str(path))

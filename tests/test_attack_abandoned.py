@@ -23,7 +23,7 @@ import torch
 
 from resilient.agent.membership import registry_prefix
 from resilient.agent.store import kept_versions
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.ledger import run_copies
 from resilient.secret import COMMIT, REGISTRY

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 
-from resilient.etcd.testing import embedded_etcd
+from resilient_chaos.etcd_testing import embedded_etcd
 from resilient_chaos.disk import FillStore, mount_unavailable
 from resilient_chaos.infra import Infra
 from resilient_chaos.injectors import EtcdMemberKill, InjectionFailed

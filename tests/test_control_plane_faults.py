@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from launchutil import REPO, Agent, digests, events, run_launch, wait_for
-from resilient.etcd.testing import embedded_etcd
+from resilient_chaos.etcd_testing import embedded_etcd
 from resilient.control.claim import peek_owner
 from resilient.launch import LEAVE_WAIT, default_run_id, wait_for_agents_to_leave
 from resilient.snapshot.nodestore import reclaim
@@ -158,7 +158,7 @@ def test_nodes_leaving_one_after_the_other_both_exit_cleanly(tmp_path):
 
 def test_the_owner_waits_for_the_other_agents_to_leave_at_most_its_bound(etcd):
     from resilient.agent.membership import NodeRegistry
-    from resilient.etcd.testing import unique_run_id
+    from resilient_chaos.etcd_testing import unique_run_id
 
     run_id, secret = unique_run_id(), b"s" * 32
     with etcd.client() as client:

@@ -23,7 +23,7 @@ import pytest
 
 from launchutil import REPO
 from resilient.etcd.server import free_port
-from resilient.etcd.testing import embedded_etcd
+from resilient_chaos.etcd_testing import embedded_etcd
 from resilient.procs import kill_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

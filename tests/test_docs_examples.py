@@ -14,7 +14,7 @@ import pytest
 
 from docblocks import DEMO_SMALL, BlockFailed, blocks, copy_env, doc_files, run_block
 from launchutil import REPO
-from resilient.etcd.testing import embedded_etcd, unique_run_id
+from resilient_chaos.etcd_testing import embedded_etcd, unique_run_id
 
 ALL = [b for f in doc_files(REPO) for b in blocks(f)]
 RUN = [b for b in ALL if b.illustrative is None]

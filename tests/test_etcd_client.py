@@ -16,7 +16,7 @@ from resilient.etcd import (
     free_port,
     parse_endpoints,
 )
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 

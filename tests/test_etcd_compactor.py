@@ -65,7 +65,7 @@ def test_the_interval_knob(tmp_path):
 
 def test_a_full_etcd_is_a_typed_error_and_compaction_keeps_it_from_filling():
     from resilient.etcd.api import EtcdFull
-    from resilient.etcd.testing import embedded_etcd
+    from resilient_chaos.etcd_testing import embedded_etcd
 
     # Rounds of 150 KB against an 8 MB quota: compacted, the history kept (up to two rounds)
     # is far below it, whatever etcd's lag in reusing freed pages on a loaded host.
@@ -83,7 +83,7 @@ def test_a_full_etcd_is_a_typed_error_and_compaction_keeps_it_from_filling():
 
 
 def test_a_new_cluster_with_fewer_revisions_starts_the_count_over(etcd):
-    from resilient.etcd.testing import embedded_etcd
+    from resilient_chaos.etcd_testing import embedded_etcd
 
     with EtcdClient(etcd.endpoint) as old:
         for i in range(30):

@@ -12,7 +12,7 @@ import pytest
 from resilient.agent.membership import registry_prefix
 from resilient.agent.quarantine import NodeQuarantined, Quarantine
 from resilient.agent.quarantine import main as quarantine_cli
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.secret import COMMIT, HOLDS, QUARANTINE, REGISTRY, JobSecret, JobSecretError
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions, commit_key, holds_prefix

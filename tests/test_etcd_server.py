@@ -17,7 +17,7 @@ from resilient.etcd import (
     EtcdUnavailable,
     find_etcd,
 )
-from resilient.etcd.testing import embedded_etcd, enable_auth, make_tls_files
+from resilient_chaos.etcd_testing import embedded_etcd, enable_auth, make_tls_files
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 

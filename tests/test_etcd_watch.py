@@ -8,7 +8,7 @@ import threading
 from datetime import timedelta
 
 from resilient.etcd.client import EtcdClient
-from resilient.etcd.testing import embedded_etcd, enable_auth, unique_run_id
+from resilient_chaos.etcd_testing import embedded_etcd, enable_auth, unique_run_id
 from resilient.etcd.watch import Watch
 
 

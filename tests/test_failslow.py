@@ -228,7 +228,7 @@ def test_a_probe_keeps_the_workers_heartbeat_going_for_its_bound(tmp_path, monke
     import time
     from datetime import timedelta
 
-    from resilient.agent.heartbeat import HeartbeatWriter
+    from resilient.job.heartbeat import HeartbeatWriter
     from resilient.events import EventLog
     from resilient.failslow import monitor
 
@@ -304,7 +304,8 @@ def test_the_replace_policy_acts_on_a_long_run_declines_a_short_one_and_never_a_
 
 
 def test_a_seat_is_a_spare_else_a_shrink_above_the_minimum_else_none(tmp_path):
-    from resilient.failslow.replace import local_seat, seat_of
+    from resilient.agent.seats import seat_of
+    from resilient.failslow.replace import local_seat
 
     assert seat_of(round_size=2, spares=1, min_nodes=2) == "spare"
     assert seat_of(round_size=3, spares=0, min_nodes=2) == "shrink"

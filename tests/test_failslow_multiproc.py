@@ -1,5 +1,5 @@
 """Fail-slow detection on real processes: three gloo ranks train a plain loop under
-``resilient.Job`` (resilient.failslow.drill: gradients averaged with ``dist.all_reduce``,
+``resilient.Job`` (resilient_chaos.failslow_drill: gradients averaged with ``dist.all_reduce``,
 no timing code in the loop); the chaos harness's duty-cycle injector slows one rank's process from outside
 once the run has learnt its baseline. The detector must name that rank, as a device,
 within the issue's bound; a clean run must raise nothing."""
@@ -13,7 +13,7 @@ import pytest
 
 from resilient_chaos.slow import SlowProcess
 from launchutil import digests, events, steps_done
-from resilient.failslow.drill import run_drill
+from resilient_chaos.failslow_drill import run_drill
 from resilient.sdc.harness import GlooPool
 
 pytestmark = pytest.mark.slow
@@ -168,7 +168,7 @@ def test_replace_hands_the_slow_nodes_seat_to_a_spare_and_ends_bitwise_equal(cor
     from launchutil import REPO, Agent, run_launch, tiny_overrides, wait_for, worker_pids
     from resilient.agent.quarantine import SlowMarks
     from resilient.etcd import EtcdClient
-    from resilient.etcd.testing import embedded_etcd
+    from resilient_chaos.etcd_testing import embedded_etcd
     from resilient.launch import default_run_id
     from resilient.secret import RUN_DIR_SECRET, resolve_secret
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from launchutil import REPO, Agent, digests, events, losses, run_launch, steps_done, wait_for, worker_pids
-from resilient.etcd.testing import embedded_etcd
+from resilient_chaos.etcd_testing import embedded_etcd
 from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import reclaim
 

@@ -7,6 +7,11 @@ imports only the public API and torch").
     runtime:  everything else under resilient/ (agent, rendezvous, etcd, snapshot, sdc, ...)
 
 ``resilient.cli`` is the command line: it dispatches to every layer and is above them all.
+
+Inside the runtime every part (a subpackage or a top-level module of ``resilient``) has a
+place in :data:`RUNTIME_LAYERS`, and imports only parts of the layers below its own (issue
+40: no import cycle, lazy imports included). The agent and its workers meet only in
+:mod:`resilient.contract`, at the bottom: neither ``agent`` nor ``job`` imports the other.
 """
 
 from __future__ import annotations
@@ -19,6 +24,20 @@ from launchutil import REPO
 PKG = REPO / "resilient"
 USERS = ("resilient.gpt", "resilient.integrations", "resilient_tools", "resilient_chaos")
 PUBLIC = ("resilient.job", "resilient.runconfig", "resilient.configbase", "resilient.errors")
+
+# Bottom first. A part imports only parts of lower layers; parts of one layer never import each other.
+RUNTIME_LAYERS = (
+    ("errors",),
+    ("rundir", "procs", "shipped", "launch_args", "contract", "progress", "optim_state"),
+    ("configbase", "secret", "events", "etcd"),
+    ("ledger", "rendezvous"),                      # the records' copies; torchrun's etcd backend
+    ("control", "snapshot"),                       # the embedded control plane; the tiers
+    ("sdc", "failslow", "preflight"),              # the checks a worker runs; the checks before a launch
+    ("runconfig",),                                # every runtime section, each owned by its part
+    ("agent", "job"),                              # the node's supervisor; the worker's API
+    ("observe", "doctor"),                         # an operator's view from outside; the checks of a host
+    ("launch",),                                   # one node's launch: a program, an agent, etcd
+)
 
 
 def imports(path: Path) -> set[str]:
@@ -66,3 +85,34 @@ def test_the_examples_use_only_the_public_api():
         found = [m for m in imports(path) if under(m, ("resilient",)) and m != "resilient"
                  and not under(m, PUBLIC + ("resilient.integrations",))]
         assert not found, f"{path.name} imports {found}"
+
+
+def _part(module: str) -> str | None:
+    bits = module.split(".")
+    return bits[1] if bits[0] == "resilient" and len(bits) > 1 else None
+
+
+def test_every_import_inside_the_runtime_goes_down_a_layer():
+    rank = {part: i for i, layer in enumerate(RUNTIME_LAYERS) for part in layer}
+    parts = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__pycache__"}
+    above = {"__init__", "cli", "gpt", "integrations"}   # the package's face, the command line, the users
+    assert parts - above == set(rank), f"a runtime part without a layer (or a layer without a part): " \
+                                       f"{sorted((parts - above) ^ set(rank))}"
+    bad = []
+    for path in PKG.rglob("*.py"):
+        src = _part(path.relative_to(REPO).with_suffix("").as_posix().replace("/", "."))
+        if src not in rank:
+            continue
+        for module in imports(path):
+            dst = _part(module)
+            if dst in rank and dst != src and rank[dst] >= rank[src]:
+                bad.append(f"{path.relative_to(REPO)} ({src}, layer {rank[src]}) imports {module} "
+                           f"({dst}, layer {rank[dst]})")
+    assert not bad, "imports that go up or sideways inside the runtime:\n" + "\n".join(sorted(bad))
+
+
+def test_the_runtime_never_imports_pytest():
+    bad = sorted(path.relative_to(REPO).as_posix() for path in PKG.rglob("*.py")
+                 if any(under(m, ("pytest", "_pytest")) for m in imports(path)))
+    assert not bad, f"runtime modules import pytest (test helpers belong in resilient_chaos or tests/): {bad}"

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient.agent.quarantine import Quarantine
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 from resilient.ledger import DirCopy, EtcdCopy, gen_of, newest, run_copies
 from resilient.secret import QUARANTINE, JobSecret
 from resilient.snapshot.epoch import MAX_FLOORS, Epoch

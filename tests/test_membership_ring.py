@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from resilient.agent.membership import NodeRegistry, RegistryReader, full_check_due
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 

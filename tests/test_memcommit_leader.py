@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.secret import COMMIT, HOLDS, JobSecret
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions, commit_key, leader_key

@@ -1,4 +1,4 @@
-"""Each agent's Prometheus metrics (resilient/observe/metrics.py): the translation of a
+"""Each agent's Prometheus metrics (resilient/agent/metrics.py): the translation of a
 node's events into metrics, the HTTP endpoint and its knob, and a real Prometheus server
 scraping a running 2-node job."""
 
@@ -22,7 +22,7 @@ import pytest
 from launchutil import REPO, Agent, events, tiny_overrides, wait_for
 from resilient.errors import ConfigError
 from resilient.events import EventLog
-from resilient.observe.metrics import AgentMetrics, MetricsPortInUse, QuarantineCount
+from resilient.agent.metrics import AgentMetrics, MetricsPortInUse, QuarantineCount
 from resilient.runconfig import LaunchConfig, load_runtime_config
 
 DEMO = REPO / "configs" / "demo.toml"
@@ -114,7 +114,7 @@ def test_a_recovery_is_timed_from_the_failure_to_the_first_step_after_the_restar
 
 @pytest.mark.parametrize("chunk", [4 << 20, 7], ids=["whole", "7-byte-chunks"])
 def test_the_log_is_followed_across_torn_lines_and_a_replaced_file(tmp_path, monkeypatch, chunk):
-    import resilient.observe.metrics as metrics
+    import resilient.agent.metrics as metrics
 
     monkeypatch.setattr(metrics, "_CHUNK", chunk)
     log = tmp_path / "events.jsonl"

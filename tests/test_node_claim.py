@@ -16,7 +16,7 @@ import pytest
 
 from resilient.agent.api import NodeIdInUse
 from resilient.agent.membership import PURPOSE, NodeRegistry
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 TTL = timedelta(seconds=2)

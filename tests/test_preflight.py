@@ -19,7 +19,7 @@ from launchutil import REPO, events
 from nsutil import in_namespace, namespace_unavailable, run_isolated
 from resilient.gpt.config import load_config
 from resilient.etcd.probe import version_issue
-from resilient.etcd.testing import embedded_etcd
+from resilient_chaos.etcd_testing import embedded_etcd
 from resilient.preflight import NodePlan, PreflightError, Status, check_etcd, node_store_bytes, run_checks
 
 pytestmark = [pytest.mark.timeout(120)]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 from resilient.rendezvous import Etcd3RendezvousBackend, RendezvousStateCorrupt, create_etcd3_handler
 from resilient.secret import MAGIC, JobSecret, JobSecretError
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 from resilient.rendezvous import Etcd3RendezvousBackend
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]

@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from resilient.etcd import LivenessLease, free_port
-from resilient.etcd.testing import embedded_etcd, enable_auth, make_tls_files, unique_run_id
+from resilient_chaos.etcd_testing import embedded_etcd, enable_auth, make_tls_files, unique_run_id
 from resilient.rendezvous import (
     Etcd3RendezvousBackend,
     Etcd3Store,

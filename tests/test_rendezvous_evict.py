@@ -17,7 +17,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from resilient.agent.membership import NodeRegistry, refuses_connections
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 from resilient.rendezvous import create_etcd3_handler, handler as handler_module
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120), pytest.mark.usefixtures("restore_share_env", "job_secret")]

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError, RendezvousTimeoutError
 
-from resilient.etcd.testing import embedded_etcd, unique_run_id
+from resilient_chaos.etcd_testing import embedded_etcd, unique_run_id
 from resilient.rendezvous import RendezvousConfigError, RendezvousStateCorrupt, create_etcd3_handler
 from resilient.rendezvous.keyed import KeyedRendezvousHandler
 

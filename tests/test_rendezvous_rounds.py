@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 from resilient.rendezvous import Etcd3Store, RendezvousRoundLost, create_etcd3_handler
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120), pytest.mark.usefixtures("restore_share_env", "job_secret")]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.etcd.testing import embedded_etcd, kill_group, unique_run_id
+from resilient_chaos.etcd_testing import embedded_etcd, kill_group, unique_run_id
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(150), pytest.mark.usefixtures("job_secret")]
 

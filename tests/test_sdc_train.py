@@ -102,7 +102,7 @@ def test_persistent_fault_quarantines_the_node_and_a_spare_takes_over(corpus, tm
     from launchutil import Agent, wait_for
     from resilient.agent.quarantine import Quarantine
     from resilient.etcd import EtcdClient
-    from resilient.etcd.testing import embedded_etcd
+    from resilient_chaos.etcd_testing import embedded_etcd
     from resilient.launch import default_run_id
     from resilient.secret import RUN_DIR_SECRET, resolve_secret
 

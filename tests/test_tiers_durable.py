@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from launchutil import REPO, Agent, digests, events, run_launch, steps_done, tiny_overrides, wait_for
-from resilient.etcd.testing import embedded_etcd
+from resilient_chaos.etcd_testing import embedded_etcd
 from resilient.launch import default_run_id
 from resilient.snapshot.format import checksum
 from resilient.snapshot.nodestore import job_dir

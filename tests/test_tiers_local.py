@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from launchutil import REPO, Agent, digests, events, run_launch, steps_done, tiny_overrides, wait_for, worker_pids
-from resilient.etcd.testing import embedded_etcd
+from resilient_chaos.etcd_testing import embedded_etcd
 from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import job_dir, reclaim
 

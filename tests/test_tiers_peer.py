@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from launchutil import REPO, Agent, digests, events, run_launch, steps_done, tiny_overrides, wait_for
-from resilient.etcd.testing import embedded_etcd
+from resilient_chaos.etcd_testing import embedded_etcd
 from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import job_dir, reclaim
 

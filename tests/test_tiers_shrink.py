@@ -8,7 +8,7 @@ import pytest
 
 from launchutil import REPO, Agent, events, losses, steps_done, tiny_overrides, wait_for
 
-from resilient.etcd.testing import embedded_etcd
+from resilient_chaos.etcd_testing import embedded_etcd
 from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import reclaim
 

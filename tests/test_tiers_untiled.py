@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from resilient.etcd.testing import unique_run_id
+from resilient_chaos.etcd_testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.secret import JobSecret
 from resilient.snapshot.auth import VersionAuth

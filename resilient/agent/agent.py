@@ -56,21 +56,21 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
 
-from resilient.agent.api import (NODE_ID_ENV, NOT_DURABLE_EXIT, PEER_LEFT_EXIT, RUN_DIR_ENV, AgentError, AgentSettings,
-                                 FailureKind)
-from resilient.agent.heartbeat import HEARTBEAT_ENV, HeartbeatMonitor
+from resilient.agent.api import AgentError, AgentSettings, FailureKind
+from resilient.agent.heartbeat import HeartbeatMonitor
 from resilient.agent.membership import NodeRegistry, exchange_node_ids
+from resilient.agent.metrics import AgentMetrics, QuarantineCount
 from resilient.agent.pool import WarmPool, WorkerProcess
-from resilient.agent.quarantine import QUARANTINE_EXIT, SLOW_EXIT, Quarantine
-from resilient.ledger import run_copies
-from resilient.etcd.compactor import HistoryCompactor
-from resilient.failslow.replace import SeatHandover
-from resilient.events import EventLog, read_events
-from resilient.observe.metrics import AgentMetrics, QuarantineCount
-from resilient.procs import OWNER, ignore_stop_signals, owner_record, reclaim_dirs
+from resilient.agent.quarantine import Quarantine
+from resilient.agent.seats import SeatHandover
+from resilient.contract import (HEARTBEAT_ENV, NODE_ID_ENV, ROUND_ENV, RUN_DIR_ENV, RUNTIME_CONFIG_ENV, WorkerExit,
+                                events_path)
 from resilient.etcd import EtcdError
+from resilient.etcd.compactor import HistoryCompactor
+from resilient.events import EventLog, read_events
+from resilient.ledger import run_copies
+from resilient.procs import OWNER, ignore_stop_signals, owner_record, reclaim_dirs
 from resilient.rendezvous.api import RendezvousRoundLost, RendezvousUnavailable
-from resilient.runconfig import RUNTIME_CONFIG_ENV
 
 log = logging.getLogger(__name__)
 # How long etcd gets to answer before a lost node is taken to have taken the control plane
@@ -98,7 +98,7 @@ class EtcdOutage(AgentError):
 
     def __str__(self) -> str:
         # Composed when printed: by then the workers have saved their newest step.
-        newest = newest_durable(Path(self.run_dir) / "events.jsonl")
+        newest = newest_durable(events_path(self.run_dir))
         saved = (f"the newest durable version is step {newest['step']} at {newest.get('url')}" if newest
                  else "no durable version was written")
         return (f"etcd at {self.endpoint} has been unreachable for {self.down.total_seconds():.0f} s "
@@ -119,7 +119,7 @@ class ControlPlaneLost(AgentError):
         super().__init__(endpoint, lost)
 
     def __str__(self) -> str:
-        newest = newest_durable(Path(self.run_dir) / "events.jsonl")
+        newest = newest_durable(events_path(self.run_dir))
         saved = (f"the newest durable version is step {newest['step']} at {newest.get('url')}" if newest
                  else "no durable version was written; this node's RAM store is kept for a relaunch on this machine")
         lost = ", ".join(repr(n) for n in self.lost)
@@ -182,11 +182,11 @@ class ResilientAgent(SimpleElasticAgent):
                 self.pool.close()
                 shutil.rmtree(self._tmp, ignore_errors=True)
                 raise
-        # Prometheus metrics from this node's events (resilient.observe.metrics), served from the
+        # Prometheus metrics from this node's events (resilient.agent.metrics), served from the
         # start of run(): they live here, so they outlive every worker restart.
         self.metrics = None
         if settings.metrics_port is not None:
-            self.metrics = AgentMetrics(Path(settings.run_dir) / "events.jsonl", settings.node_id, settings.run_id,
+            self.metrics = AgentMetrics(events_path(settings.run_dir), settings.node_id, settings.run_id,
                                         quarantined=QuarantineCount(settings.etcd_factory, settings.run_id, events)
                                         if settings.etcd_factory is not None else None)
             # The rendezvous' client sits in torch's handler (its private _store: our Etcd3Store).
@@ -287,7 +287,7 @@ class ResilientAgent(SimpleElasticAgent):
             self._etcd_down_since = None
         # A worker of this node is leaving to have the node quarantined (its device is bad):
         # the others left at the same barrier and may already wait in the next round, but a
-        # restart now would kill the worker before its QUARANTINE_EXIT is seen, and this node
+        # restart now would kill the worker before its WorkerExit.QUARANTINE is seen, and this node
         # would join that round and corrupt again. Let it exit; _monitor_workers quarantines.
         # Read after the waiting count: a node waits only after that barrier, which this
         # worker reaches after its mark.
@@ -375,7 +375,7 @@ class ResilientAgent(SimpleElasticAgent):
             "MASTER_ADDR": wg.master_addr, "MASTER_PORT": str(wg.master_port),
             "TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(), "TORCHELASTIC_USE_AGENT_STORE": "False",
-            "RESILIENT_ROUND": str(self._round),
+            ROUND_ENV: str(self._round),
             RUN_DIR_ENV: str(Path(self.settings.run_dir).resolve()), NODE_ID_ENV: self.settings.node_id,
             **({RUNTIME_CONFIG_ENV: self.settings.runtime_config} if self.settings.runtime_config else {}),
             HEARTBEAT_ENV: self.heartbeats.path(worker.local_rank),
@@ -421,13 +421,13 @@ class ResilientAgent(SimpleElasticAgent):
         peer's connection reset)."""
         first = next(iter(result.failures.values()), None)
         code = f"local rank {first.local_rank} exit code {first.exitcode}" if first else "no exit code"
-        if any(f.exitcode == NOT_DURABLE_EXIT for f in result.failures.values()):
+        if any(f.exitcode == WorkerExit.NOT_DURABLE for f in result.failures.values()):
             why = f"the final state could not be made durable ({code}); a restart would not mend it"
         elif self._startup_failures >= MAX_STARTUP_FAILURES:
             why = f"the workers failed {self._startup_failures} times in a row before their first step ({code})"
         else:
             why = f"{self.settings.max_restarts} restarts used up ({code})"
-        log_path = Path(self.settings.run_dir) / "events.jsonl"
+        log_path = events_path(self.settings.run_dir)
         errors: list[dict] = []
         try:
             for e in read_events(log_path):
@@ -452,16 +452,16 @@ class ResilientAgent(SimpleElasticAgent):
             code = wp.poll()
             if code is not None and code != 0:
                 failures.update(self._failure(worker_group, local_rank, wp, code))
-                if code not in (PEER_LEFT_EXIT, SLOW_EXIT):
+                if code not in (WorkerExit.PEER_LEFT, WorkerExit.SLOW):
                     self.events.emit("failure", kind=FailureKind.EXIT.value, local_rank=local_rank,
                                      pid=wp.pid, exitcode=code)
-        if failures and all(f.exitcode in (PEER_LEFT_EXIT, SLOW_EXIT) for f in failures.values()):
+        if failures and all(f.exitcode in (WorkerExit.PEER_LEFT, WorkerExit.SLOW) for f in failures.values()):
             # Another node was preempted (or found slow); every rank stopped after the same step
             # and saved it. Once this node's workers are all out (the others may still be
             # saving), re-form without the leaver: not a failure, no restart counted.
             if any(wp.poll() is None for wp in self.procs.values()):
                 return RunResult(state=WorkerState.HEALTHY)
-            slow = sorted(f.local_rank for f in failures.values() if f.exitcode == SLOW_EXIT)
+            slow = sorted(f.local_rank for f in failures.values() if f.exitcode == WorkerExit.SLOW)
             if slow:   # this node is the slow one: mark it, leave the round, rejoin when healthy
                 self.failslow.hand_over(slow, self._leave_rendezvous, worker_group.spec.rdzv_handler)
             self.events.emit("membership", reason="peer_preempted", nodes_before=sorted(self.round_nodes))
@@ -470,8 +470,8 @@ class ResilientAgent(SimpleElasticAgent):
         if failures:
             self._count_startup_failures(failures)
             self._quarantine_if_asked(failures)
-            if any(f.exitcode == NOT_DURABLE_EXIT for f in failures.values()):
-                self._remaining_restarts = 0  # see NOT_DURABLE_EXIT
+            if any(f.exitcode == WorkerExit.NOT_DURABLE for f in failures.values()):
+                self._remaining_restarts = 0  # see WorkerExit.NOT_DURABLE
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if all(wp.poll() == 0 for wp in self.procs.values()):
             return RunResult(state=WorkerState.SUCCEEDED,
@@ -502,12 +502,12 @@ class ResilientAgent(SimpleElasticAgent):
             self.pool.refill_later(timedelta(0))
 
     def _quarantine_if_asked(self, failures: dict) -> None:
-        """A worker that exits with QUARANTINE_EXIT sits on a device the SDC
+        """A worker that exits with WorkerExit.QUARANTINE sits on a device the SDC
         monitor confirmed bad: record this node as quarantined in etcd and
         stop (no restart here); the other nodes re-form without it."""
         # The worker's mark (HeartbeatWriter.mark_quarantine) is the verdict too: the node's other
         # workers exit 1 at the same barrier and may be seen first; a restart would kill the bad one.
-        bad = sorted({f.local_rank for f in failures.values() if f.exitcode == QUARANTINE_EXIT}
+        bad = sorted({f.local_rank for f in failures.values() if f.exitcode == WorkerExit.QUARANTINE}
                      | {r for r in self.procs if self.heartbeats.quarantine_marked(r)})
         if not bad:
             return

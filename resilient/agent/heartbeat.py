@@ -8,6 +8,8 @@ loop itself, not a side thread, so a hung loop cannot keep beating.
 
 Before its first beat a worker is importing, building its model and restoring
 state: that phase gets its own, longer timeout.
+
+This is the agent's side; the worker's is :mod:`resilient.job.heartbeat`.
 """
 
 from __future__ import annotations
@@ -15,80 +17,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
-HEARTBEAT_ENV = "RESILIENT_HEARTBEAT_FILE"
-QUARANTINE_SUFFIX = ".quarantine"  # beside a worker's heartbeat file: HeartbeatWriter.mark_quarantine
-# In the heartbeat directory: why the agent itself stops the workers (an etcd outage, its control
-# plane gone), written before their SIGTERM: a stop the agent decides is not a preemption.
-STOP_REASON = "stop-reason"
-
-
-class HeartbeatWriter:
-    """The worker side. A writer without a path (not under an agent) does nothing."""
-
-    def __init__(self, path: str | None):
-        self.path = path
-
-    @classmethod
-    def from_env(cls) -> "HeartbeatWriter":
-        return cls(os.environ.get(HEARTBEAT_ENV))
-
-    def beat(self) -> None:
-        if self.path:
-            try:
-                os.utime(self.path, None)
-            except FileNotFoundError:
-                Path(self.path).touch()
-
-    def mark_quarantine(self) -> None:
-        """This worker's device is confirmed bad and it is about to leave: tell its agent
-        now. The exit code (QUARANTINE_EXIT) comes only once the process is gone, and by
-        then the other nodes, whose workers left at the same barrier, may already wait in
-        the next round: an agent that sees them waiting restarts (kills) its workers and
-        never sees the code."""
-        if self.path:
-            Path(self.path + QUARANTINE_SUFFIX).touch()
-
-    def stop_reason(self) -> str | None:
-        """Why the agent stops this worker, when it decided so (HeartbeatMonitor.announce_stop);
-        None for a SIGTERM from outside (a preemption) or outside an agent."""
-        if not self.path:
-            return None
-        try:
-            return (Path(self.path).parent / STOP_REASON).read_text()[:500] or None
-        except OSError:
-            return None
-
-    @contextlib.contextmanager
-    def while_waiting(self, every: timedelta = timedelta(seconds=1), limit: timedelta | None = None):
-        """Beat from a thread during a long wait that has its own bound (the
-        final upload, shutdown): the agent must not take it for a hang. With
-        ``limit``, the beats stop after that long: a wait that outlasts it is
-        judged by the agent's deadline again, from its last beat."""
-        stop = threading.Event()
-        until = None if limit is None else time.monotonic() + limit.total_seconds()
-
-        def loop() -> None:
-            while not stop.wait(every.total_seconds()):
-                if until is not None and time.monotonic() >= until:
-                    return
-                self.beat()
-
-        thread = threading.Thread(target=loop, name="heartbeat", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
-
+from resilient.contract import QUARANTINE_SUFFIX, STOP_REASON
 
 class HeartbeatMonitor:
-    """The agent side: one file per local worker in a private directory."""
+    """The agent side (the worker's is :class:`resilient.job.heartbeat.HeartbeatWriter`): one file
+    per local worker in a private directory."""
 
     # The deadline follows the job's real steps: STEP_MULTIPLE times the longest of the last
     # RECENT gaps between beats (checked SDC steps, evals, a loaded host all included), never

@@ -26,7 +26,8 @@ import time
 from datetime import timedelta
 
 from resilient.agent.api import AgentError
-from resilient.agent.warm import DEFAULT_ENTRY, setup_line, spawn_zygote, take_early
+from resilient.agent.warm import setup_line, spawn_zygote, take_early
+from resilient.contract import PARENT_PID_ENV, SCRIPT_ENTRY
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,10 @@ class WorkerProcess:
     """One child process: warm until :meth:`assign`, then a worker running
     ``entry.main(argv)`` (see :mod:`.warm`)."""
 
-    def __init__(self, env: dict[str, str], entry: str = DEFAULT_ENTRY, preload: tuple[str, ...] = ()):
+    def __init__(self, env: dict[str, str], entry: str = SCRIPT_ENTRY, preload: tuple[str, ...] = ()):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "resilient.agent.warm"],
-            stdin=subprocess.PIPE, env={**os.environ, **env, "RESILIENT_PARENT_PID": str(os.getpid())},
+            stdin=subprocess.PIPE, env={**os.environ, **env, PARENT_PID_ENV: str(os.getpid())},
             process_group=0,  # its own group: a kill reaches anything it started
         )
         self.proc.stdin.write(setup_line(preload))
@@ -182,7 +183,7 @@ class Zygote:
 class ForkedWorker:
     """A worker forked by a :class:`Zygote`: the same interface as :class:`WorkerProcess`."""
 
-    def __init__(self, zygote: Zygote, entry: str = DEFAULT_ENTRY):
+    def __init__(self, zygote: Zygote, entry: str = SCRIPT_ENTRY):
         self.zygote = zygote
         self.entry = entry
         self._pid: int | None = None
@@ -237,7 +238,7 @@ class WarmPool:
     modules of ``preload`` were imported (see :mod:`.warm`)."""
 
     def __init__(self, size: int, env: dict[str, str], refill_delay: timedelta = timedelta(seconds=2),
-                 entry: str = DEFAULT_ENTRY, preload: tuple[str, ...] = ()):
+                 entry: str = SCRIPT_ENTRY, preload: tuple[str, ...] = ()):
         self.size = size
         self.env = env
         self.entry = entry

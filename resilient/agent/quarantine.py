@@ -2,7 +2,7 @@
 
 When the SDC monitor confirms a persistent fault (the same wrong answer on
 replay, or a failed arithmetic probe), the worker on that device exits with
-:data:`QUARANTINE_EXIT`. Its agent records the node under
+``WorkerExit.QUARANTINE`` (:mod:`resilient.contract`). Its agent records the node under
 ``/resilient/<run>/quarantine/<node>`` and leaves the job; the other nodes
 re-form without it and roll back (with fewer than the job's minimum left, the
 job stops here: the launcher says so, and how to clear or replace the node).
@@ -29,7 +29,7 @@ up, the embedded etcd (named in ``RUN_DIR/control/etcd.json``; reached with the 
 certificate and login derived from the secret).
 
 A node the fail-slow checks found slow (``failslow.policy = "replace"``) takes
-the same path, lighter: its workers exit with :data:`SLOW_EXIT`, its agent
+the same path, lighter: its workers exit with ``WorkerExit.SLOW``, its agent
 records a mark under ``/resilient/<run>/slow/<node>`` (:class:`SlowMarks`, the
 same sealed records), leaves the round so a spare takes the seat, and clears
 the mark itself once a probe run shows the node healthy
@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from resilient.agent.api import AgentError
+from resilient.contract import check_name, default_run_id   # ids name the records' files too (resilient.ledger)
 from resilient.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdUnavailable
 from resilient.ledger import Copy, EtcdCopy, Ledger, run_copies
 from resilient.secret import (
@@ -57,10 +58,6 @@ from resilient.secret import (
     require_secret,
     resolve_secret,
 )
-
-QUARANTINE_EXIT = 75  # the worker's exit code for "my device is bad"
-SLOW_EXIT = 78        # ... for "my node is slow: hand its seat over" (fail-slow replace; not a failure)
-
 
 class NodeQuarantined(AgentError):
     """This node is quarantined; an operator must clear it first."""
@@ -182,8 +179,6 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     from_run_dir = False   # the endpoint is the run dir's embedded etcd, owned by a live agent
     if args.run_dir:
-        from resilient.launch import default_run_id
-
         args.run_id = args.run_id or default_run_id(Path(args.run_dir))
     copies = run_copies(args.run_dir, args.durable_url if args.durable_url is not None else
                         durable_url_of(args.run_dir)) if args.run_dir or args.durable_url else []
@@ -192,8 +187,6 @@ def main(argv: list[str]) -> int:
                  "(and --durable-url to reach the copies every node finds)")
     if args.action == "clear" and not args.node:
         ap.error("clear needs a NODE")
-    from resilient.launch import check_name   # ids name the records' files too (resilient.ledger)
-
     check_name("--run-id", args.run_id)
     if args.node:
         check_name("NODE", args.node)

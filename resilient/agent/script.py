@@ -48,14 +48,14 @@ def _script_frames(tb):
 
 
 def _record_error(e: BaseException, text: str) -> None:
-    from resilient.agent.api import NODE_ID_ENV, RUN_DIR_ENV
+    from resilient.contract import NODE_ID_ENV, RUN_DIR_ENV, events_path
     from resilient.events import EventLog
 
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
         return  # not under resilient launch: the traceback on stderr is all there is
     try:
-        EventLog(os.path.join(run_dir, "events.jsonl"), node=os.environ.get(NODE_ID_ENV),
+        EventLog(events_path(run_dir), node=os.environ.get(NODE_ID_ENV),
                  rank=int(os.environ.get("RANK", "-1"))).emit(
             "worker_error", error=f"{type(e).__name__}: {e}", traceback=text)
     except OSError as log_error:  # the traceback is on stderr anyway
@@ -77,7 +77,7 @@ def run(module: bool, target: str, args: list[str]) -> int:
     except SystemExit as e:
         return _exit_code(e)
     except BaseException as e:
-        from resilient.agent.api import said_peer_gone
+        from resilient.contract import said_peer_gone
 
         if said_peer_gone(e):   # after this worker's clean run_end: a peer that left, not an error
             return 0

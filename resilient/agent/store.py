@@ -32,7 +32,8 @@ from resilient.snapshot.nodestore import NodeStore
 from resilient.snapshot.peer import PeerServer
 from resilient.snapshot.storefull import full_since
 from resilient.snapshot.storeroot import reclaim_run
-from resilient.snapshot.tiers import STORE_ENV, StoreInfo
+from resilient.contract import STORE_ENV
+from resilient.snapshot.tiers import StoreInfo
 
 log = logging.getLogger(__name__)
 

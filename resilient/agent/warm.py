@@ -31,6 +31,8 @@ import signal
 import subprocess
 import sys
 
+from resilient.contract import PARENT_PID_ENV, SCRIPT_ENTRY
+
 _PR_SET_PDEATHSIG = 1
 
 # What every worker's environment holds whatever the node's size (resilient.launch adds the
@@ -39,9 +41,6 @@ _PR_SET_PDEATHSIG = 1
 # store round trip), unbuffered output.
 BASE_WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1",
                    "PYTHONUNBUFFERED": "1"}
-
-# The worker program when none is named: a user's script (resilient.agent.script).
-DEFAULT_ENTRY = "resilient.agent.script"
 
 
 def setup_line(preload: list[str] | tuple[str, ...]) -> bytes:
@@ -59,7 +58,7 @@ def spawn_zygote(env: dict[str, str], preload: list[str] | tuple[str, ...] = ())
     try:
         proc = subprocess.Popen([sys.executable, "-m", "resilient.agent.warm", "--zygote", str(w)],
                                 stdin=subprocess.PIPE, pass_fds=(w,),
-                                env={**os.environ, **env, "RESILIENT_PARENT_PID": str(os.getpid())},
+                                env={**os.environ, **env, PARENT_PID_ENV: str(os.getpid())},
                                 process_group=0)
     finally:
         os.close(w)
@@ -151,7 +150,7 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    parent = os.environ.get("RESILIENT_PARENT_PID")
+    parent = os.environ.get(PARENT_PID_ENV)
     if parent and os.getppid() != int(parent):
         os._exit(1)
 
@@ -216,7 +215,7 @@ def _become_worker(assignment: dict) -> int:
         import torch
 
         torch.set_num_threads(int(threads))
-    entry = importlib.import_module(assignment.get("entry") or DEFAULT_ENTRY)
+    entry = importlib.import_module(assignment.get("entry") or SCRIPT_ENTRY)
     return entry.main(assignment["argv"])
 
 
@@ -250,7 +249,7 @@ def _zygote(status_fd: int, lines: _Lines) -> int:
                 os.setpgid(0, 0)  # its own group: the agent's killpg reaches it, not us
                 status.close()
                 _empty_stdin()
-                os.environ["RESILIENT_PARENT_PID"] = str(os.getppid())
+                os.environ[PARENT_PID_ENV] = str(os.getppid())
                 die_with_parent()  # the zygote is the parent now; it dies with the agent
                 code = _become_worker(assignment)
             except SystemExit as e:

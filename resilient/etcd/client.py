@@ -197,7 +197,7 @@ class EtcdClient:
         self._leases: list[Lease] = []
         self._closed = False
         # Called as on_request(gateway path, seconds) after each HTTP request, failed ones
-        # too: the agent's metrics time etcd with it (resilient.observe.metrics).
+        # too: the agent's metrics time etcd with it (resilient.agent.metrics).
         self.on_request: Callable[[str, float], None] | None = None
 
     # ------------------------------------------------------------ transport

@@ -6,7 +6,7 @@
 - :mod:`~resilient.failslow.policy`: the cost model (act only when acting pays)
 - :mod:`~resilient.failslow.monitor`: the step boundary: the stop flag, rank 0's verdicts acted on by every rank
 - :mod:`~resilient.failslow.courier`: each rank's timings gathered on rank 0 and judged there, on a thread
-- :mod:`~resilient.failslow.replace`: the ``replace`` policy: a seat handed over, a node marked and let back
+- :mod:`~resilient.failslow.replace`: the ranks' end of the ``replace`` policy (the agent's: :mod:`resilient.agent.seats`)
 """
 
 from resilient.failslow.api import CAUSES, PHASES, FailSlowConfig, FailSlowError, Straggler

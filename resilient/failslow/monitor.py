@@ -32,8 +32,8 @@ has a seat to hand over (each rank's agent says whether a warm spare waits or
 the job may shrink: :mod:`~.replace`) is first confirmed by the probe (the slow
 ranks' compute must be slow there too), then acted on: every rank stops after
 the same step (the exchange says stop, as for a preemption), saves it, and
-leaves; the slow node's ranks leave with :data:`SLOW_EXIT`, so their agent marks
-the node and hands its seat over, the others with ``PEER_LEFT_EXIT``, so theirs
+leaves; the slow node's ranks leave with ``WorkerExit.SLOW``, so their agent marks
+the node and hands its seat over, the others with ``WorkerExit.PEER_LEFT``, so theirs
 re-form at once.
 """
 

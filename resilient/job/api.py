@@ -1,8 +1,9 @@
-"""The public API's types: typed errors, the environment contract, ``Stateful``.
+"""The public API's types: typed errors, ``Stateful``, per-rank state as JSON.
 
 The launcher (``resilient launch``) tells a worker where it is through its
-environment; a worker started some other way (plain ``torchrun``, ``python``)
-lacks these and :class:`~resilient.job.Job` falls back to the durable tier:
+environment (:mod:`resilient.contract`); a worker started some other way (plain
+``torchrun``, ``python``) lacks these and :class:`~resilient.job.Job` falls back to
+the durable tier:
 
 ``RESILIENT_RUN_DIR``          the run dir (events, checkpoints)
 ``RESILIENT_NODE_ID``          this node's id (``--node-id``)
@@ -20,12 +21,8 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from resilient.agent.api import said_peer_gone  # noqa: F401 (public: a worker's entry asks it)
+from resilient.contract import said_peer_gone  # noqa: F401 (public: a worker's entry asks it)
 from resilient.errors import ResilientError
-
-RUN_DIR_ENV = "RESILIENT_RUN_DIR"
-NODE_ENV = "RESILIENT_NODE_ID"
-HOOKS_ENV = "RESILIENT_WORKER_HOOKS"
 
 
 class JobError(ResilientError):

@@ -47,15 +47,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient.agent.api import NODE_ID_ENV, NOT_DURABLE_EXIT, PEER_LEFT_EXIT, mark_clean_run_end
-from resilient.agent.heartbeat import HeartbeatWriter
-from resilient.agent.quarantine import QUARANTINE_EXIT, SLOW_EXIT
+from resilient.contract import (HOOKS_ENV, NODE_ID_ENV, RUN_DIR_ENV, RUNTIME_CONFIG_ENV, STORE_ENV, WorkerExit,
+                                 events_path, mark_clean_run_end)
 from resilient.events import EventLog
 from resilient.failslow.monitor import FailSlowMonitor
 from resilient.job.api import (
-    HOOKS_ENV, NODE_ENV, RUN_DIR_ENV, JobError, NotUnderAgent, is_stateful, rank_state_dicts, restore_rank_state,
+    JobError, NotUnderAgent, is_stateful, rank_state_dicts, restore_rank_state,
 )
 from resilient.job.guard import SdcGuard
+from resilient.job.heartbeat import HeartbeatWriter
 from resilient.job.keeper import Marks, StateKeeper
 from resilient.job.modelstate import ModelState, as_list
 from resilient.progress import ProgressLine
@@ -186,10 +186,10 @@ class Job:
         self.startup: dict[str, float] = {}
         mark = Marks(self.startup)
         self.config = self._config(config)
-        self.under_agent = bool(os.environ.get("RESILIENT_STORE") or os.environ.get("RESILIENT_RUNTIME_CONFIG"))
+        self.under_agent = bool(os.environ.get(STORE_ENV) or os.environ.get(RUNTIME_CONFIG_ENV))
         self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir()).resolve()
         private_dir(self.run_dir)   # 0700 when made here; another user's is refused (resilient.rundir)
-        self.node = node or os.environ.get(NODE_ENV) or None
+        self.node = node or os.environ.get(NODE_ID_ENV) or None
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -197,7 +197,7 @@ class Job:
                            "before creating the Job")
         else:
             self.rank, self.world_size = 0, 1
-        self.events = EventLog(self.run_dir / "events.jsonl", node=self.node, rank=self.rank)
+        self.events = EventLog(events_path(self.run_dir), node=self.node, rank=self.rank)
         if not self.under_agent and self.rank == 0:
             warnings.warn(NotUnderAgent.MESSAGE.format(run_dir=self.run_dir), NotUnderAgent, stacklevel=2)
         self.modules = as_list(model)
@@ -519,7 +519,7 @@ class Job:
             if dist.is_initialized():
                 dist.barrier()
             self._leaving = True
-            raise SystemExit(QUARANTINE_EXIT if self.rank in decision.quarantine else 1)
+            raise SystemExit(WorkerExit.QUARANTINE if self.rank in decision.quarantine else 1)
         restored = self.keeper.restore(max_step=decision.rollback_to, before=self._materialize)
         if restored is not None:
             self._after_restore(restored)
@@ -550,17 +550,17 @@ class Job:
                 self.keeper.final(self.step, self._rank_extra, lambda: self._global_extra(self.step))
             except StorageError as e:
                 self.events.emit("worker_error", error=f"{type(e).__name__}: {e}", traceback="")
-                raise SystemExit(NOT_DURABLE_EXIT) from e
+                raise SystemExit(WorkerExit.NOT_DURABLE) from e
         mark_clean_run_end(self.step)   # saved: a peer's leaving from here on is no worker error
         if self.stop_requested and not self.signalled and os.environ.get(NODE_ID_ENV):
             # Stopped for another node's preemption: saved with it; this node stays, and its
-            # agent re-forms the job without the leaver (PEER_LEFT_EXIT: not a failure). A
+            # agent re-forms the job without the leaver (WorkerExit.PEER_LEFT: not a failure). A
             # fail-slow replace stops every rank the same way; the slow node's leave with
-            # SLOW_EXIT, so their agent marks the node and hands its seat over.
+            # WorkerExit.SLOW, so their agent marks the node and hands its seat over.
             slow = self.failslow.replacing
             self.events.emit("run_end", step=self.step, preempted=slow is None, peer_left=True,
                              **({"replaced": slow["slow_node"]} if slow else {}))
-            raise SystemExit(SLOW_EXIT if self.failslow.leaving else PEER_LEFT_EXIT)
+            raise SystemExit(WorkerExit.SLOW if self.failslow.leaving else WorkerExit.PEER_LEFT)
         if self.stop_requested:
             # A stop the agent decided (an etcd outage, say) is said as such, not as a preemption.
             ours = self.heartbeat.stop_reason()

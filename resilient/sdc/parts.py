@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from resilient.contract import NODE_ID_ENV
 from resilient.sdc.api import Spent
 
 Parts = nn.Module | Sequence[nn.Module]
@@ -41,7 +42,7 @@ def _named_params(model_parts: Parts) -> list[tuple[str, nn.Parameter]]:
 
 def device_id(device: torch.device | str | None = None) -> str:
     """``host:cuda:N`` (or ``host:cpu:pid``): what a quarantine names."""
-    host = os.environ.get("RESILIENT_NODE_ID") or socket.gethostname()
+    host = os.environ.get(NODE_ID_ENV) or socket.gethostname()
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)

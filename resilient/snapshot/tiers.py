@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from resilient.contract import STORE_ENV
 from resilient.ledger import Copy
 from resilient.snapshot.api import Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
 from resilient.snapshot.auth import VersionAuth, report as report_auth
@@ -43,8 +44,6 @@ from resilient.snapshot.format import manifest_from_json, version_dir
 from resilient.snapshot.nodestore import NodeStore, rank_of
 from resilient.snapshot.peer import PeerClient, PeerError
 from resilient.snapshot.reader import SnapshotReader, chunk_view, decode_chunk, open_chunk
-
-STORE_ENV = "RESILIENT_STORE"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from resilient.contract import events_path
+
 
 def train(rank: int, world: int, run_dir: str, steps: int, keep_history: bool = False,
           sets: tuple[str, ...] = (), nodes: tuple[str, ...] = ()) -> dict:
@@ -29,12 +31,12 @@ def train(rank: int, world: int, run_dir: str, steps: int, keep_history: bool = 
     import torch.distributed as dist
 
     from resilient.job import Job, NotUnderAgent
-    from resilient.job.api import NODE_ENV
+    from resilient.contract import NODE_ID_ENV
     from resilient.runconfig import load_runtime_config
 
-    before = os.environ.get(NODE_ENV)
+    before = os.environ.get(NODE_ID_ENV)
     if nodes:
-        os.environ[NODE_ENV] = nodes[rank]
+        os.environ[NODE_ID_ENV] = nodes[rank]
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
@@ -63,14 +65,14 @@ def train(rank: int, world: int, run_dir: str, steps: int, keep_history: bool = 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if nodes:   # the pool's process runs other tasks after this one
             if before is None:
-                os.environ.pop(NODE_ENV, None)
+                os.environ.pop(NODE_ID_ENV, None)
             else:
-                os.environ[NODE_ENV] = before
+                os.environ[NODE_ID_ENV] = before
 
 
 def rank0_steps(run_dir: Path) -> Callable[[], list[dict]]:
     """A reader of the ``step`` events rank 0 appended since the last call."""
-    path, offset = Path(run_dir) / "events.jsonl", 0
+    path, offset = events_path(run_dir), 0
 
     def poll() -> list[dict]:
         nonlocal offset

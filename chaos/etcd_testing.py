@@ -1,9 +1,9 @@
-"""Helpers for tests that need a real etcd (imported by tests only; needs pytest).
+"""Helpers for tests that need a real etcd (imported by tests and benchmarks only; needs pytest).
 
-Why here and not in a conftest: the etcd, rendezvous, agent and chaos suites
-all need the same "start a real etcd, skip clearly if the binary is missing,
-always clean up" fixture, and a module in the package can be imported from
-any of them.
+Why here and not in a conftest: the etcd, rendezvous, agent and chaos suites and the
+benchmarks all need the same "start a real etcd, skip clearly if the binary is missing,
+always clean up" fixture. Not in the runtime (``resilient/``), which never imports pytest:
+in the harness above it, with the chaos runner's own job machinery.
 """
 
 from __future__ import annotations
