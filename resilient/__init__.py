@@ -15,13 +15,13 @@ it has a contract with the others:
 
 __version__ = "0.1.0"
 
-__all__ = ["Job"]
+__all__ = ["Job", "JobOptions"]
 
 
 def __getattr__(name: str):
     # ``resilient.Job`` without importing torch for every ``import resilient`` (the CLI's start).
-    if name == "Job":
-        from resilient.job import Job
+    if name in ("Job", "JobOptions"):
+        import resilient.job
 
-        return Job
+        return getattr(resilient.job, name)
     raise AttributeError(f"module 'resilient' has no attribute {name!r}")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from resilient.events import read_events
-from resilient.job import Job, JobError, NotUnderAgent
+from resilient.job import Job, JobError, JobOptions, NotUnderAgent
 from resilient.job.api import rank_state_dicts, restore_rank_state
 from resilient.runconfig import load_runtime_config
 
@@ -35,7 +35,7 @@ def train(run_dir, steps: int, *sets: str, crash_at: int | None = None, preempt_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotUnderAgent)
         job = Job(model, opt, state={"sched": sched, "counters": counters}, rank_state={"mine": mine},
-                  generators={"data": data}, run_dir=run_dir, config=cfg, progress=False)
+                  run_dir=run_dir, config=cfg, progress=False, options=JobOptions(generators={"data": data}))
 
     def forward_backward(x):
         loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin())
@@ -174,6 +174,30 @@ def test_errors_say_what_to_do(tmp_path, monkeypatch):
         warnings.simplefilter("ignore", NotUnderAgent)
         with pytest.raises(JobError, match="rename them"):
             Job(torch.nn.Linear(2, 2), None, state={"model": {"x": 1}}, run_dir=tmp_path, progress=False)
+
+
+def test_the_job_takes_a_handful_of_parameters_and_names_where_the_rest_went(tmp_path):
+    """Issue 40: ``Job`` takes at most 8 parameters; what only a trainer that knows more passes
+    is one ``JobOptions``, and a keyword that moved there says so instead of a bare TypeError."""
+    import inspect
+
+    import resilient
+
+    assert len(inspect.signature(Job).parameters) - 1 <= 8   # the rest: **moved, only to name them
+    assert resilient.JobOptions is JobOptions
+    for moved in ({"layout": {"world": 1}}, {"describe": {"a": 1}, "log_every": 5}):
+        with pytest.raises(JobError, match=r"options=resilient\.JobOptions\((describe|layout)=\.\.\."):
+            Job(torch.nn.Linear(2, 2), None, run_dir=tmp_path, progress=False, **moved)
+    with pytest.raises(TypeError, match="layuot"):
+        Job(torch.nn.Linear(2, 2), None, run_dir=tmp_path, progress=False, layuot={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotUnderAgent)
+        job = Job(torch.nn.Linear(2, 2), None, run_dir=tmp_path, progress=False,
+                  options=JobOptions(layout={"dp": 1}, node="n0", describe={"trainer": "mine"}))
+    try:
+        assert (job.layout, job.node, job.describe) == ({"dp": 1}, "n0", {"trainer": "mine"})
+    finally:
+        job.close()
 
 
 @pytest.mark.parametrize("make", [

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from resilient.gpt.config import Config
 from resilient.gpt.data import TokenCorpus, ensure_corpus
-from resilient.job import Job, Marks, device_peak_tflops, pipeline_post_scale
+from resilient.job import Job, JobOptions, Marks, device_peak_tflops, pipeline_post_scale
 from resilient.gpt.model import flops_per_token, init_parameters
 from resilient.gpt.optim import Optimizers, clip_grad_norm, lr_at
 from resilient.gpt.parallel import build_layout, build_model
@@ -91,9 +91,8 @@ class Trainer:
         self.corpus.check_vocab(cfg.model.vocab_size, cfg.source)
         mark("data")
         lay = self.layout
-        self.job = Job(
-            self.model.parts, self.optimizer.optimizers, run_dir=self.run_dir, config=cfg, node=node,
-            device=self.device, layout=lay.as_dict(), config_digest=cfg.digest(), run_info=self._run_info,
+        self.job = Job(self.model.parts, self.optimizer.optimizers, run_dir=self.run_dir, config=cfg, options=JobOptions(
+            node=node, device=self.device, layout=lay.as_dict(), config_digest=cfg.digest(), run_info=self._run_info,
             reinit=self._reinit, fresh_model=True,
             # AdamW's hyperparameters come from the config and the step (lr_at), not the snapshot
             param_groups=False,
@@ -101,7 +100,7 @@ class Trainer:
             watch_fsdp=lay.dp > 1, post_scale=pipeline_post_scale(self.model.schedule),
             log_every=cfg.train.log_every,
             describe={"config_digest": cfg.digest(), "params": cfg.model.num_params(),
-                      "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads()})
+                      "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads()}))
         self.job.startup = {**startup, **self.job.startup}
         if self.job.sdc is not None and lay.tp > 1:
             # Norm weights are replicated across tp: their gradients must agree bitwise ...

@@ -62,7 +62,7 @@ import torch
 
 from resilient.errors import ResilientError
 from resilient.integrations.lightning_state import RankState, TrainerState, apply_restored
-from resilient.job import Job, JobError
+from resilient.job import Job, JobError, JobOptions
 from resilient.sdc.api import SdcError
 from resilient.snapshot import rng_state, set_rng_state
 
@@ -143,7 +143,7 @@ class ResilientCallback(_callback_base()):
         self.job = job = Job(trainer.strategy.model, optimizers[0], state={"lightning": trainer_state, **self.state},
                              rank_state={"lightning": rank, **self.rank_state}, run_dir=self.run_dir,
                              config=self.config, progress=self._progress(trainer),
-                             describe={"trainer": "lightning"})
+                             options=JobOptions(describe={"trainer": "lightning"}))
         self._open, self._batch, self._loss = True, (), None
         if previous is not None and threading.current_thread() is threading.main_thread():
             # Lightning owns SIGTERM (its notice is shared across ranks, and its teardown puts

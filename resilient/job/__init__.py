@@ -9,7 +9,8 @@
             continue
         optimizer.step(); optimizer.zero_grad()
 
-- :class:`Job`          restore, save, step boundary, preemption, SDC (:mod:`.job`)
+- :class:`Job`          restore, save, step boundary, preemption, SDC (:mod:`.job`);
+  :class:`JobOptions` what a trainer that knows more tells it
 - :class:`StateKeeper`  the tiers behind it, for loops that manage their own state (:mod:`.keeper`)
 - :class:`ModelState`   module/optimizer pairs as snapshot state (:mod:`.modelstate`)
 - :mod:`.api`           typed errors, the environment contract, ``Stateful``
@@ -21,14 +22,14 @@ This package, :mod:`resilient.runconfig` (the runtime's config sections),
 """
 
 from resilient.events import EventLog
-from resilient.job.api import JobError, NotUnderAgent, Stateful
+from resilient.job.api import JobError, JobOptions, NotUnderAgent, Stateful
 from resilient.job.job import Job, param_digest
 from resilient.job.keeper import Marks, StateKeeper
 from resilient.job.modelstate import ModelState
 from resilient.progress import device_peak_tflops
 from resilient.sdc.reduction import pipeline_post_scale
 
-__all__ = ["Job", "JobError", "NotUnderAgent", "Stateful", "StateKeeper", "ModelState", "param_digest",
+__all__ = ["Job", "JobOptions", "JobError", "NotUnderAgent", "Stateful", "StateKeeper", "ModelState", "param_digest",
            # for trainers that know more: run_start's phase timings, the event log, MFU's peak,
            # what a pipeline schedule does to the reduced gradients (Job(post_scale=...))
            "Marks", "EventLog", "device_peak_tflops", "pipeline_post_scale"]

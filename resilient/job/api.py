@@ -17,7 +17,8 @@ the durable tier:
 from __future__ import annotations
 
 import base64
-from typing import Any, Mapping, Protocol, runtime_checkable
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -27,6 +28,62 @@ from resilient.errors import ResilientError
 
 class JobError(ResilientError):
     """The job API was used in a way that cannot work (says how to fix it)."""
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What a trainer that knows more than a plain loop tells :class:`~resilient.job.Job`
+    (``Job(..., options=JobOptions(...))``). The built-in GPT passes these; nothing here is
+    private to it, and a loop that knows none of it passes nothing.
+
+    What each version holds, and how a restore treats it:
+
+    - ``layout``: the parallel layout, stored in every manifest (default ``{"world": N}``);
+    - ``config_digest``: the model config's digest: a restore refuses another model's versions;
+    - ``run_info(step)``: global JSON saved with each version;
+    - ``generators``: named ``torch.Generator`` s whose states are saved per rank;
+    - ``param_groups``: save the optimizers' param groups (False: the trainer sets its
+      hyperparameters itself, from its config and the step);
+    - ``fresh_model``: the model was built uninitialized: restore straight into it;
+    - ``reinit()``: re-initialize the model when a rollback finds no version (by default a
+      fresh run saves its initial state instead).
+
+    What the SDC checks need to know of the model's parallelism
+    (:class:`~resilient.job.guard.SdcGuard`): ``watch_fsdp`` (check FSDP2's gradient
+    reductions; default: when there are several ranks), ``post_scale`` (what a pipeline
+    schedule multiplies the reduced gradients by).
+
+    Where this rank runs, and what it reports: ``node`` (default ``$RESILIENT_NODE_ID``),
+    ``device`` (default: the first parameter's), ``log_every`` (the progress line's
+    interval in steps), ``describe`` (fields of the ``run_start`` event).
+    """
+
+    layout: Mapping[str, Any] | None = None
+    config_digest: str = ""
+    run_info: Callable[[int], dict] | None = None
+    generators: Mapping[str, torch.Generator] | None = None
+    param_groups: bool = True
+    fresh_model: bool = False
+    reinit: Callable[[], None] | None = None
+    watch_fsdp: bool | None = None
+    post_scale: float = 1.0
+    node: str | None = None
+    device: torch.device | None = None
+    log_every: int = 1
+    describe: Mapping[str, Any] | None = None
+
+
+def refuse_moved_options(moved: Mapping[str, Any]) -> None:
+    """``Job(layout=...)`` and the other keywords that moved into :class:`JobOptions` (before
+    issue 40 ``Job`` took 20 parameters): a :class:`JobError` naming the replacement."""
+    if not moved:
+        return
+    known = {f.name for f in fields(JobOptions)}
+    unknown = sorted(set(moved) - known)
+    if unknown:
+        raise TypeError(f"Job() got unexpected keyword argument(s) {unknown}")
+    args = ", ".join(f"{k}=..." for k in sorted(moved))
+    raise JobError(f"Job({args}): these are options now: pass Job(..., options=resilient.JobOptions({args}))")
 
 
 class NotUnderAgent(UserWarning):

@@ -52,7 +52,7 @@ from resilient.contract import (HOOKS_ENV, NODE_ID_ENV, RUN_DIR_ENV, RUNTIME_CON
 from resilient.events import EventLog
 from resilient.failslow.monitor import FailSlowMonitor
 from resilient.job.api import (
-    JobError, NotUnderAgent, is_stateful, rank_state_dicts, restore_rank_state,
+    JobError, JobOptions, NotUnderAgent, refuse_moved_options, is_stateful, rank_state_dicts, restore_rank_state,
 )
 from resilient.job.guard import SdcGuard
 from resilient.job.heartbeat import HeartbeatWriter
@@ -162,34 +162,24 @@ class Job:
       world size did not change; after a resize it stays as built (``resharded`` is True).
     - ``config``: the runtime config (a :class:`RuntimeConfig`, a TOML path, or None: the
       one ``resilient launch`` resolved, else the defaults).
-
-    The rest is for trainers that know more (the built-in GPT uses them; nothing here is
-    private to it): ``layout`` (stored in every manifest), ``config_digest`` (a restore
-    refuses another model's versions), ``run_info()`` (global JSON saved with each
-    version), ``reinit()`` (re-initialize the model when a rollback finds no version; by
-    default a fresh run saves its initial state instead), ``fresh_model`` (the model was
-    built uninitialized: restore straight into it), ``param_groups``, ``watch_fsdp`` and
-    ``post_scale`` (see :class:`~resilient.job.guard.SdcGuard`), ``generators`` (named
-    ``torch.Generator`` s whose states are saved per rank), ``total_steps`` (for the
-    progress line), ``describe`` (fields of the ``run_start`` event).
+    - ``progress``: rank 0's live line (step, loss, tokens/s, committed versions); False: none.
+    - ``options``: for trainers that know more (:class:`~resilient.job.api.JobOptions`: the
+      parallel layout, the model config's digest, generators, ...).
     """
 
     def __init__(self, model: nn.Module | list | None = None, optimizer: Any = None, *,
                  state: Mapping[str, Any] | None = None, rank_state: Mapping[str, Any] | None = None,
                  run_dir: str | os.PathLike | None = None, config: RuntimeConfig | str | os.PathLike | None = None,
-                 layout: dict | None = None, config_digest: str = "", run_info: Callable[[int], dict] | None = None,
-                 reinit: Callable[[], None] | None = None, fresh_model: bool = False, param_groups: bool = True,
-                 watch_fsdp: bool | None = None, post_scale: float = 1.0,
-                 generators: Mapping[str, torch.Generator] | None = None, node: str | None = None,
-                 device: torch.device | None = None, progress: bool = True, log_every: int = 1,
-                 describe: Mapping[str, Any] | None = None):
+                 progress: bool = True, options: JobOptions | None = None, **moved: Any):
+        refuse_moved_options(moved)   # the keywords that became options name their replacement
+        opts = options or JobOptions()
         self.startup: dict[str, float] = {}
         mark = Marks(self.startup)
         self.config = self._config(config)
         self.under_agent = bool(os.environ.get(STORE_ENV) or os.environ.get(RUNTIME_CONFIG_ENV))
         self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir()).resolve()
         private_dir(self.run_dir)   # 0700 when made here; another user's is refused (resilient.rundir)
-        self.node = node or os.environ.get(NODE_ID_ENV) or None
+        self.node = opts.node or os.environ.get(NODE_ID_ENV) or None
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -204,29 +194,29 @@ class Job:
         optimizers = as_list(optimizer)
         if self.modules and not optimizers:
             optimizers = [None] * len(self.modules)
-        self.model_state = ModelState(self.modules, optimizers, param_groups=param_groups) if self.modules else None
+        self.model_state = ModelState(self.modules, optimizers, param_groups=opts.param_groups) if self.modules else None
         self.extra_state = dict(state or {})
         taken = {"model", "optim"} & set(self.extra_state) if self.model_state is not None else set()
         if taken:
             raise JobError(f"state key(s) {sorted(taken)} are taken by the model's and optimizer's state; rename them")
         self.rank_state = dict(rank_state or {})
-        self.generators = dict(generators or {})
-        self.layout = dict(layout or {"world": self.world_size})
-        self.run_info, self.reinit, self.fresh_model = run_info, reinit, fresh_model
-        self.describe = dict(describe or {})
-        self.device = device or (self._first_param_device() or torch.device("cpu"))
+        self.generators = dict(opts.generators or {})
+        self.layout = dict(opts.layout or {"world": self.world_size})
+        self.run_info, self.reinit, self.fresh_model = opts.run_info, opts.reinit, opts.fresh_model
+        self.describe = dict(opts.describe or {})
+        self.device = opts.device or (self._first_param_device() or torch.device("cpu"))
         if self.model_state is not None:
             # a restore needs the optimizer's tensors to fill; made now where that changes
             # nothing (Adam: zeros, step 0, packed for the at-rest hashes), else before a restore
             self.model_state.materialize(fallback=False)
         mark("optimizer_state")
         self.keeper = StateKeeper(self.config.snapshot, self.run_dir, self._snapshot_state, self._load_state,
-                                  self.events, layout=self.layout, config_digest=config_digest)
+                                  self.events, layout=self.layout, config_digest=opts.config_digest)
         self.startup.update({f"snapshots.{k}": v for k, v in self.keeper.setup_timings.items()})
         self.guard = SdcGuard(self.config.sdc, self.modules, optimizers, events=self.events, device=self.device,
                               rank=self.rank, world=self.world_size, node=self.node or "",
-                              local_rank=int(os.environ.get("LOCAL_RANK", "0")), watch_fsdp=watch_fsdp,
-                              post_scale=post_scale, run_dir=self.run_dir)
+                              local_rank=int(os.environ.get("LOCAL_RANK", "0")), watch_fsdp=opts.watch_fsdp,
+                              post_scale=opts.post_scale, run_dir=self.run_dir)
         mark("sdc")
         self.heartbeat = HeartbeatWriter.from_env()
         self.step = 0              # completed steps; the next one to run is self.step
@@ -244,7 +234,7 @@ class Job:
         self._rolled_back = False
         self._t_step = time.perf_counter()
         self._last_step_seconds = 0.0   # the last completed step's time: the cross-check's budget is a share of it
-        self.progress = ProgressLine(0, every=log_every) if progress and self.rank == 0 else None
+        self.progress = ProgressLine(0, every=opts.log_every) if progress and self.rank == 0 else None
         self._install_sigterm()
         # Ranks agree on a preemption's last step over gloo (a CPU tensor whatever the device
         # backend): the signal reaches each worker at its own point of a step, and a rank that
