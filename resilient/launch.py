@@ -18,7 +18,7 @@ fleet: three or five members, so no node is a single point of failure).
 Without it, the agents of a run dir share an embedded etcd: the one whose
 claim on ``RUN_DIR/control`` wins runs it, the others join it, in any start
 order (:mod:`resilient.control`). The embedded etcd lives in its owner's
-process tree: losing that node ends the job for everyone (see the README).
+process tree: losing that node ends the job for everyone (see docs/elastic.md).
 
 This module imports no torch at import time: ``resilient launch`` parses its
 command line and starts its warm zygote before the heavy imports.

@@ -79,3 +79,19 @@ def test_a_flag_or_knob_the_code_does_not_have_is_reported_with_its_line():
              ("docs/x.md:3", "see `resilient ckpt verify URL --secret-file F` and `sdc.abft_every`")]
     assert unknown_knobs(lines) == ["README.md:7: snapshot.evry"]
     assert unknown_flags(lines, flags_of_commands()) == ["README.md:7: resilient launch --no-such-flag"]
+
+
+def test_the_readme_is_a_front_door_to_the_docs_pages():
+    """Issue 40: the README stays short (at most 300 lines) and links every page under docs/,
+    whose relative links all resolve."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, "README.md over 300 lines: move a topic's detail into docs/"
+    pages = sorted((REPO / "docs").glob("*.md"))
+    unlinked = [p.name for p in pages if f"docs/{p.name}" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+    broken = [(f.name, t) for f in [REPO / "README.md", *pages]
+              for t in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", f.read_text())
+              if not t.startswith(("http:", "https:", "mailto:")) and not (f.parent / t).exists()]
+    assert not broken, f"relative links that lead nowhere: {broken}"
