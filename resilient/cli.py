@@ -86,26 +86,26 @@ def _cmd_chaos(argv: list[str]) -> int:
 
 
 def _cmd_doctor(argv: list[str]) -> int:
-    from resilient.doctor import main as doctor_main
+    from resilient.commands.doctor import main as doctor_main
     from resilient.gpt.config import load_config  # the GPT's configs: handed down, as launch hands gpt_program
 
     return doctor_main(argv, load_config)
 
 
 def _cmd_status(argv: list[str]) -> int:
-    from resilient.observe.status import main as status_main
+    from resilient.commands.status import main as status_main
 
     return status_main(argv)
 
 
 def _cmd_store(argv: list[str]) -> int:
-    from resilient.snapshot.storeroot import main as store_main
+    from resilient.commands.store import main as store_main
 
     return store_main(argv)
 
 
 def _cmd_quarantine(argv: list[str]) -> int:
-    from resilient.agent.quarantine import main as quarantine_main
+    from resilient.commands.quarantine import main as quarantine_main
 
     return quarantine_main(argv)
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import socket
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from resilient.contract import EVENTS_FILE
+from resilient.contract import EVENTS_FILE, NODE_ID_ENV, RUN_DIR_ENV, events_path
 from resilient.rundir import open_private
 
 # Event kinds, grouped by who writes them. docs/events.md describes each.
@@ -143,3 +144,19 @@ class EventTail:
             self._offsets[path] = off + end
         new.sort(key=lambda e: e["time"])
         return new
+
+
+def record_worker_error(error: BaseException, text: str, run_dir: str | os.PathLike | None = None,
+                        node: str | None = None) -> None:
+    """A worker program's uncaught error as the ``worker_error`` event its agent quotes when it
+    gives up (``text``: the traceback as printed). ``run_dir``/``node`` default to what the
+    agent told the worker (:mod:`resilient.contract`); not under an agent, nothing is written."""
+    run_dir = run_dir or os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return  # not under resilient launch: the traceback on stderr is all there is
+    try:
+        EventLog(events_path(run_dir), node=node or os.environ.get(NODE_ID_ENV),
+                 rank=int(os.environ.get("RANK", "-1"))).emit(
+            "worker_error", error=f"{type(error).__name__}: {error}", traceback=text)
+    except OSError as log_error:  # the traceback is on stderr anyway
+        print(f"resilient: could not record the worker_error event: {log_error}", file=sys.stderr)

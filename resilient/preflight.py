@@ -7,7 +7,7 @@ RAM, a low open-files limit as a gloo error deep in a worker, a wrong
 others keep dropping from the round. ``resilient launch`` runs these checks before
 it starts etcd, the node store or any worker (:func:`check_before_launch`: a FAIL
 raises :class:`PreflightError` and nothing is started); ``resilient doctor``
-runs the same checks alone and prints the table (:mod:`resilient.doctor`).
+runs the same checks alone and prints the table (:mod:`resilient.commands.doctor`).
 
 Every check returns a :class:`CheckResult`: OK, WARN (the job can run, but look),
 FAIL (it cannot run as configured: the result says what to change) or SKIP (does

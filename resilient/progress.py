@@ -77,3 +77,15 @@ class ProgressLine:
         if self.tty and self._last_len:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class Marks:
+    """Seconds since the previous mark, per phase name, into ``out`` (run_start's ``startup``)."""
+
+    def __init__(self, out: dict[str, float]):
+        self.out, self.last = out, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.out[phase] = round(now - self.last, 4)
+        self.last = now

@@ -34,7 +34,7 @@ import pytest
 
 from launchutil import REPO, Agent, digests, events, run_launch, wait_for, worker_pids
 from resilient.agent.quarantine import Quarantine, SlowMarks
-from resilient.agent.quarantine import main as quarantine_cli
+from resilient.commands.quarantine import main as quarantine_cli
 from resilient.errors import LaunchError
 from resilient.etcd import EtcdAuthError, EtcdClient
 from resilient.control.claim import peek_owner

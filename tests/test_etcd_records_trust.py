@@ -11,7 +11,7 @@ import pytest
 
 from resilient.agent.membership import registry_prefix
 from resilient.agent.quarantine import NodeQuarantined, Quarantine
-from resilient.agent.quarantine import main as quarantine_cli
+from resilient.commands.quarantine import main as quarantine_cli
 from resilient_chaos.etcd_testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.secret import COMMIT, HOLDS, QUARANTINE, REGISTRY, JobSecret, JobSecretError

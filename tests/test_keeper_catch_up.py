@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from resilient.events import EventLog, read_events
-from resilient.job.keeper import StateKeeper
+from resilient.snapshot.keeper import StateKeeper
 from resilient.snapshot.config import SnapshotConfig
 
 

@@ -31,12 +31,13 @@ RUNTIME_LAYERS = (
     ("rundir", "procs", "shipped", "launch_args", "contract", "progress", "optim_state"),
     ("configbase", "secret", "events", "etcd"),
     ("ledger", "rendezvous"),                      # the records' copies; torchrun's etcd backend
-    ("control", "snapshot"),                       # the embedded control plane; the tiers
+    ("control", "snapshot"),                       # the control plane (and reaching it from outside); the tiers
     ("sdc", "failslow", "preflight"),              # the checks a worker runs; the checks before a launch
     ("runconfig",),                                # every runtime section, each owned by its part
     ("agent", "job"),                              # the node's supervisor; the worker's API
-    ("observe", "doctor"),                         # an operator's view from outside; the checks of a host
+    ("observe",),                                  # an operator's view from outside
     ("launch",),                                   # one node's launch: a program, an agent, etcd
+    ("commands",),                                 # the other commands: quarantine, status, store, doctor
 )
 
 

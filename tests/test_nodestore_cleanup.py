@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from resilient.commands.store import main as store_command
 from resilient.snapshot import storeroot
 from resilient.snapshot.nodestore import NodeStore, job_dir
 from resilient.snapshot.storeroot import drop_dead, node_trees, reclaim_run
@@ -75,10 +76,10 @@ def test_store_drop_removes_dead_trees_only(tmp_path, capsys):
     _kill(_owner(tmp_path, "gone", "r1"))
     live = NodeStore(tmp_path, "r2", "n0")
     live.create()
-    assert storeroot.main(["--store-dir", str(tmp_path), "ls"]) == 0
+    assert store_command(["--store-dir", str(tmp_path), "ls"]) == 0
     listing = capsys.readouterr().out
     assert "r1" in listing and "dead" in listing and "live" in listing
-    assert storeroot.main(["--store-dir", str(tmp_path), "drop"]) == 0
+    assert store_command(["--store-dir", str(tmp_path), "drop"]) == 0
     assert "dropped r1/gone" in capsys.readouterr().out
     assert [t.run_id for t in node_trees(tmp_path)] == ["r2"]
     live.remove()

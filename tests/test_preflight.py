@@ -9,6 +9,8 @@ config asking for CUDA on a machine without it.
 
 from __future__ import annotations
 
+import re
+
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -126,7 +128,10 @@ def test_etcd_reachable_clock_compared_and_skew_fails(tmp_path, etcd):
     skewed = check_etcd(NodePlan(runtime=cfg, run_dir=tmp_path, rdzv_endpoint=etcd.endpoint,
                                  clock=lambda: time.time() + 30, clock_check=True))
     clock = skewed[-1]
-    assert clock.name == "clock" and clock.status is Status.FAIL and "-30.0" in clock.detail, clock
+    assert clock.name == "clock" and clock.status is Status.FAIL, clock
+    # the offset as measured, within its own stated uncertainty (a loaded host widens it)
+    offset, spread = map(float, re.search(r"is ([-+][\d.]+) s \(±([\d.]+)\)", clock.detail).groups())
+    assert abs(offset + 30) <= spread + 0.05, clock
     assert "synchronize the clocks" in clock.fix
 
 

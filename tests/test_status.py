@@ -110,7 +110,7 @@ def test_a_running_jobs_etcd_is_found_through_its_members_when_the_owner_is_gone
     import argparse
 
     from resilient.control.plane import _write_members
-    from resilient.observe.status import _etcd_target
+    from resilient.commands.status import _etcd_target
     from resilient.secret import JobSecret
 
     run = tmp_path / "run"

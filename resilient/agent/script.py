@@ -47,21 +47,6 @@ def _script_frames(tb):
     return tb
 
 
-def _record_error(e: BaseException, text: str) -> None:
-    from resilient.contract import NODE_ID_ENV, RUN_DIR_ENV, events_path
-    from resilient.events import EventLog
-
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if not run_dir:
-        return  # not under resilient launch: the traceback on stderr is all there is
-    try:
-        EventLog(events_path(run_dir), node=os.environ.get(NODE_ID_ENV),
-                 rank=int(os.environ.get("RANK", "-1"))).emit(
-            "worker_error", error=f"{type(e).__name__}: {e}", traceback=text)
-    except OSError as log_error:  # the traceback is on stderr anyway
-        print(f"resilient: could not record the worker_error event: {log_error}", file=sys.stderr)
-
-
 def run(module: bool, target: str, args: list[str]) -> int:
     """Run the script or module as ``__main__``; its exit code."""
     try:
@@ -78,12 +63,13 @@ def run(module: bool, target: str, args: list[str]) -> int:
         return _exit_code(e)
     except BaseException as e:
         from resilient.contract import said_peer_gone
+        from resilient.events import record_worker_error
 
         if said_peer_gone(e):   # after this worker's clean run_end: a peer that left, not an error
             return 0
         text = "".join(traceback.format_exception(type(e), e, _script_frames(e.__traceback__)))
         sys.stderr.write(text)
-        _record_error(e, text)
+        record_worker_error(e, text)
         return 1
 
 

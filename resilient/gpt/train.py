@@ -100,8 +100,8 @@ class Trainer:
             watch_fsdp=lay.dp > 1, post_scale=pipeline_post_scale(self.model.schedule),
             log_every=cfg.train.log_every,
             describe={"config_digest": cfg.digest(), "params": cfg.model.num_params(),
-                      "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads()}))
-        self.job.startup = {**startup, **self.job.startup}
+                      "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads()},
+            startup=startup))
         if self.job.sdc is not None and lay.tp > 1:
             # Norm weights are replicated across tp: their gradients must agree bitwise ...
             norms = [(n, p) for n, p in self.model.named_parameters() if n.endswith("norm.weight")]

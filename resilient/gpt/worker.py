@@ -17,8 +17,7 @@ import traceback
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from resilient.gpt.config import config_from_dict
-from resilient.job import EventLog
-from resilient.job.api import said_peer_gone
+from resilient.job import record_worker_error, said_peer_gone
 
 
 # Pinned host memory (the capture ring's buffers on a GPU) by malloc + cudaHostRegister on
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if said_peer_gone(e):   # after its clean run_end: a peer that left, not an error
             code = 0
         else:
-            record_worker_error(e, args)
+            record_worker_error(e, traceback.format_exc(), run_dir=args.run_dir, node=args.node)
             raise
     finally:
         if trainer is not None:
@@ -78,13 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def record_worker_error(e: BaseException, args) -> None:
-    """The ``worker_error`` event the agent quotes when it gives up."""
-    rank = int(os.environ.get("RANK", "-1"))
-    EventLog(os.path.join(args.run_dir, "events.jsonl"), node=args.node, rank=rank).emit(
-        "worker_error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
 
 
 if __name__ == "__main__":

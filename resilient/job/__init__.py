@@ -11,7 +11,7 @@
 
 - :class:`Job`          restore, save, step boundary, preemption, SDC (:mod:`.job`);
   :class:`JobOptions` what a trainer that knows more tells it
-- :class:`StateKeeper`  the tiers behind it, for loops that manage their own state (:mod:`.keeper`)
+- :class:`StateKeeper`  the tiers behind it, for loops that manage their own state (:mod:`resilient.snapshot.keeper`)
 - :class:`ModelState`   module/optimizer pairs as snapshot state (:mod:`.modelstate`)
 - :mod:`.api`           typed errors, the environment contract, ``Stateful``
 
@@ -21,15 +21,20 @@ This package, :mod:`resilient.runconfig` (the runtime's config sections),
 (:mod:`resilient.gpt`) uses nothing else of the runtime.
 """
 
-from resilient.events import EventLog
+from resilient.contract import said_peer_gone
+from resilient.events import record_worker_error
 from resilient.job.api import JobError, JobOptions, NotUnderAgent, Stateful
 from resilient.job.job import Job, param_digest
-from resilient.job.keeper import Marks, StateKeeper
+from resilient.progress import Marks, device_peak_tflops
+from resilient.snapshot.keeper import StateKeeper
 from resilient.job.modelstate import ModelState
-from resilient.progress import device_peak_tflops
 from resilient.sdc.reduction import pipeline_post_scale
 
 __all__ = ["Job", "JobOptions", "JobError", "NotUnderAgent", "Stateful", "StateKeeper", "ModelState", "param_digest",
-           # for trainers that know more: run_start's phase timings, the event log, MFU's peak,
-           # what a pipeline schedule does to the reduced gradients (Job(post_scale=...))
-           "Marks", "EventLog", "device_peak_tflops", "pipeline_post_scale"]
+           # for a worker program of its own (the GPT's worker, resilient launch's script runner):
+           # how its uncaught error reaches the agent, and the one error after a clean end that is none
+           "record_worker_error", "said_peer_gone",
+           # for trainers that know more (JobOptions): the phases timed before the Job
+           # (JobOptions.startup), what a pipeline schedule does to the reduced gradients
+           # (JobOptions.post_scale), a GPU's peak for the MFU a trainer reports
+           "Marks", "pipeline_post_scale", "device_peak_tflops"]

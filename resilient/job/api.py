@@ -55,7 +55,9 @@ class JobOptions:
 
     Where this rank runs, and what it reports: ``node`` (default ``$RESILIENT_NODE_ID``),
     ``device`` (default: the first parameter's), ``log_every`` (the progress line's
-    interval in steps), ``describe`` (fields of the ``run_start`` event).
+    interval in steps), ``describe`` (fields of the ``run_start`` event), ``startup``
+    (seconds per phase the trainer timed before the Job, e.g. with
+    :class:`~resilient.progress.Marks`: they lead ``run_start``'s ``startup``).
     """
 
     layout: Mapping[str, Any] | None = None
@@ -71,6 +73,7 @@ class JobOptions:
     device: torch.device | None = None
     log_every: int = 1
     describe: Mapping[str, Any] | None = None
+    startup: Mapping[str, float] | None = None
 
 
 def refuse_moved_options(moved: Mapping[str, Any]) -> None:

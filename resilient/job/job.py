@@ -56,9 +56,9 @@ from resilient.job.api import (
 )
 from resilient.job.guard import SdcGuard
 from resilient.job.heartbeat import HeartbeatWriter
-from resilient.job.keeper import Marks, StateKeeper
+from resilient.progress import Marks, ProgressLine
+from resilient.snapshot.keeper import StateKeeper
 from resilient.job.modelstate import ModelState, as_list
-from resilient.progress import ProgressLine
 from resilient.rundir import private_dir
 from resilient.runconfig import RuntimeConfig, load_runtime_config, runtime_config_from_env
 from resilient.sdc.api import Action, Decision
@@ -246,6 +246,8 @@ class Job:
                                         device=self.device, trace=self.run_dir / "failslow-trace.jsonl",
                                         keep_alive=lambda bound: self.heartbeat.while_waiting(limit=bound))
         self.hooks = self._load_hooks()
+        if opts.startup:   # what the trainer timed before the Job leads run_start's phases
+            self.startup = {**opts.startup, **self.startup}
 
     # ---------------------------------------------------------------- set-up
     @staticmethod

@@ -62,7 +62,7 @@ import os
 import sys
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, Mapping
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
@@ -85,7 +85,7 @@ from resilient.rendezvous.etcd3_backend import (
 from resilient.rendezvous.worker_exit import install_worker_exit_hook
 from resilient.secret import require_secret
 
-__all__ = ["BACKEND_NAME", "register", "create_etcd3_handler", "create_backend", "client_from_params"]
+__all__ = ["BACKEND_NAME", "register", "create_etcd3_handler", "create_backend", "client_from_params", "etcd_client"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,14 @@ def client_from_params(params: RendezvousParameters) -> EtcdClient:
         )
     except EtcdError as exc:
         raise RendezvousConfigError(str(exc)) from exc
+
+
+def etcd_client(endpoint: str, conf: Mapping[str, Any] | None = None, run_id: str = "") -> EtcdClient:
+    """The one way to reach a job's etcd outside a rendezvous (a worker's node store, the
+    quarantine command): the endpoints and the TLS/auth/timeout keys of ``--rdzv-conf``,
+    read as :func:`client_from_params` reads them for the rendezvous itself."""
+    return client_from_params(RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id=run_id,
+                                                   min_nodes=1, max_nodes=1, **dict(conf or {})))
 
 
 def create_backend(params: RendezvousParameters) -> tuple[Etcd3RendezvousBackend, Etcd3Store]:

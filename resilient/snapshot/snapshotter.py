@@ -128,7 +128,7 @@ class Snapshotter:
         ``url`` is ``cfg.durable_url`` or the run's default; ``kw`` adds
         ``events``, ``layout``, ``config_digest``, ``storage_options``. With
         ``durable_every = "auto"`` it captures only when forced: the caller decides when
-        (:class:`~resilient.job.keeper.StateKeeper`, :mod:`~resilient.snapshot.interval`)."""
+        (:class:`~resilient.snapshot.keeper.StateKeeper`, :mod:`~resilient.snapshot.interval`)."""
         every = cfg.durable_every if isinstance(cfg.durable_every, int) else 0
         return cls(url, every=every, seconds=cfg.durable_seconds, keep_last=cfg.keep_last,
                    keep_every=cfg.keep_every, compress=cfg.compress, threads=cfg.upload_threads,

@@ -74,13 +74,9 @@ class StoreInfo:
 
     def client(self):
         """An etcd client configured as the agent's (endpoints, TLS, auth)."""
-        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from resilient.rendezvous.registry import etcd_client
 
-        from resilient.rendezvous import client_from_params
-
-        conf = {"retry_timeout": 10.0, **self.etcd_conf}
-        return client_from_params(RendezvousParameters(backend="etcd3", endpoint=self.etcd, run_id=self.run_id,
-                                                       min_nodes=1, max_nodes=1, **conf))
+        return etcd_client(self.etcd, {"retry_timeout": 10.0, **self.etcd_conf}, self.run_id)
 
     def secret(self) -> bytes:
         """The job secret's material: from the agent's private copy (hex, mode 0600) or, with no

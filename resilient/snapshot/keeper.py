@@ -1,4 +1,6 @@
-"""What a worker snapshots and restores, and when: every tier behind one object.
+"""What a worker snapshots and restores, and when: every tier behind one object (the worker's
+side of the snapshot path; the node's side is the agent's store service and the replicator,
+:mod:`resilient.snapshot.memcommit`).
 
 :class:`StateKeeper` owns the two writers of a worker and the tiered restore:
 
@@ -36,8 +38,8 @@ from typing import Any, Callable
 import torch
 
 from resilient.events import EventLog
+from resilient.progress import Marks
 from resilient.ledger import run_copies
-from resilient.sdc.checksums import local as _local
 from resilient.snapshot import Restored, RetryPolicy, Snapshotter
 from resilient.snapshot.api import StorageError
 from resilient.snapshot.commits import read_run_epoch
@@ -100,18 +102,6 @@ def _job_secret(store: StoreInfo | None, run_dir: Path) -> bytes:
 
 def durable_url(cfg: SnapshotConfig, run_dir: Path) -> str:
     return cfg.durable_url or (Path(run_dir) / "checkpoints").as_uri()
-
-
-class Marks:
-    """Seconds since the previous mark, per phase name, into ``out`` (run_start's ``startup``)."""
-
-    def __init__(self, out: dict[str, float]):
-        self.out, self.last = out, time.perf_counter()
-
-    def __call__(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.out[phase] = round(now - self.last, 4)
-        self.last = now
 
 
 class StateKeeper:
@@ -276,7 +266,7 @@ class StateKeeper:
     def _restore_from(self, candidates: list, fresh: bool, t0: float,
                       epoch: Epoch | None = None) -> tuple[Restored | None, dict]:
         state = self.state_fn()
-        direct = fresh and all(_local(v).device.type == "cpu" for _, v, _, _ in iter_leaves(state)
+        direct = fresh and all(getattr(v, "_local_tensor", v).device.type == "cpu" for _, v, _, _ in iter_leaves(state)
                                if isinstance(v, torch.Tensor))
         # Allocate the capture buffers now rather than in the first saves (on a GPU they are
         # pinned, which costs seconds per GB-scale slot), on a thread but for the staging one;
