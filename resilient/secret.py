@@ -83,6 +83,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from resilient.contract import SECRET_ENV, SECRET_FILE_ENV
 from resilient.errors import ResilientError
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,6 @@ log = logging.getLogger(__name__)
 __all__ = ["SECRET_ENV", "SECRET_FILE_ENV", "RUN_DIR_SECRET", "JobSecret", "JobSecretError", "Unauthentic",
            "resolve_secret", "require_secret", "provide_job_secret", "read_records", "report_unauthentic"]
 
-SECRET_ENV = "RESILIENT_JOB_SECRET"
-SECRET_FILE_ENV = "RESILIENT_JOB_SECRET_FILE"
 RUN_DIR_SECRET = "job.secret"
 MIN_LENGTH = 32
 MAGIC = b"rsec1\x00"   # version tag of a sealed blob: a new scheme gets a new tag

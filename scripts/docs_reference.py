@@ -68,6 +68,15 @@ def config_page() -> str:
              "config is read, before anything imports torch.\n"]
     for name, lines in sections.items():
         parts.append(f"\n## `[{name}]`\n\n```text\n" + "\n".join(lines) + "\n```\n")
+    from resilient.contract import explain_environment
+    from resilient.rendezvous.registry import explain_rdzv_conf
+
+    parts.append("\n## `--rdzv-conf` keys\n\nWhat `resilient launch --rdzv-conf k=v,...` and `torchrun "
+                 "--rdzv-backend etcd3 --rdzv-conf ...` read (durations in seconds; None: unset, the handler's "
+                 "own default).\n\n```text\n" + "\n".join(explain_rdzv_conf()) + "\n```\n")
+    parts.append("\n## Environment variables\n\nEvery variable the runtime reads: those you may set, then those "
+                 "`resilient launch` sets for its workers.\n\n```text\n" + "\n".join(explain_environment())
+                 + "\n```\n")
     return "".join(parts)
 
 

@@ -95,3 +95,29 @@ def test_the_readme_is_a_front_door_to_the_docs_pages():
               for t in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", f.read_text())
               if not t.startswith(("http:", "https:", "mailto:")) and not (f.parent / t).exists()]
     assert not broken, f"relative links that lead nowhere: {broken}"
+
+
+def test_every_rdzv_conf_key_and_environment_variable_is_explained(capsys):
+    """Issue 40 item 4: `resilient config --explain` lists every --rdzv-conf key the etcd3 backend
+    reads and every RESILIENT_* variable the runtime reads, each with what it is; a key or a
+    variable the code reads that the tables lack fails here."""
+    import re
+
+    from resilient.cli import main
+    from resilient.contract import ENVIRONMENT
+    from resilient.rendezvous.registry import RDZV_CONF
+
+    assert main(["config", "--explain"]) == 0
+    out = capsys.readouterr().out
+    for key in RDZV_CONF:
+        assert re.search(rf"(?m)^{key} = .+  # \S", out), f"--explain lacks --rdzv-conf {key}"
+    for name in ENVIRONMENT:
+        assert re.search(rf"(?m)^{name}  # \S", out), f"--explain lacks ${name}"
+    registry = (REPO / "resilient" / "rendezvous" / "registry.py").read_text()
+    read = set(re.findall(r'(?:_opt|_seconds)\(params, "(\w+)"', registry))
+    read |= set(re.findall(r'get_as_(?:int|bool)\("(\w+)"', registry))
+    known = set(RDZV_CONF) | {a for k in RDZV_CONF.values() for a in k.aliases}
+    assert read <= known, f"--rdzv-conf keys read but not in RDZV_CONF: {sorted(read - known)}"
+    source = "\n".join(p.read_text() for p in (REPO / "resilient").rglob("*.py"))
+    named = set(re.findall(r'"(RESILIENT_[A-Z_]+)"', source))
+    assert named <= set(ENVIRONMENT), f"variables the runtime names but --explain does not: {sorted(named - set(ENVIRONMENT))}"

@@ -63,6 +63,7 @@ from typing import Callable, Sequence
 
 import requests
 
+from resilient.contract import ETCD_BIN_ENV
 from resilient.etcd.api import EtcdAuthError, EtcdError, EtcdNotFound
 from resilient.etcd.client import EtcdClient
 from resilient.etcd.pki import TlsFiles, derive_tls
@@ -88,7 +89,6 @@ def reclaim_data_dirs(base: str | os.PathLike | None = None) -> list[str]:
     return reclaim_dirs(base or tempfile.gettempdir(), DIR_PREFIX, grace=None)
 
 
-ETCD_BIN_ENV = "RESILIENT_ETCD_BIN"
 ROOT_USER = "root"  # etcd's superuser: the one user of an embedded etcd with authentication
 
 

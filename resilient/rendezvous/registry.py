@@ -12,40 +12,8 @@ Two ways in, one creator:
   creator. :func:`create_etcd3_handler` therefore answers a no-argument call
   with itself, and a call with ``RendezvousParameters`` with a handler.
 
-``--rdzv-conf`` keys (all optional; durations in seconds, floats allowed):
-
-===================  =========================================================
-ca_cert              CA bundle to verify etcd's TLS certificate (enables https)
-ssl_cert, ssl_cert_key  client certificate and key (aliases: cert, key)
-protocol             http or https (default: https if any TLS file is given)
-username, password   etcd credentials; the password may instead come from the
-                     environment variable RESILIENT_ETCD_PASSWORD (keeps it
-                     out of ``ps``)
-key_prefix           etcd namespace (default /resilient/rdzv)
-secret_file          the job secret's file (mode 0600); default: the environment,
-                     $RESILIENT_JOB_SECRET_FILE or $RESILIENT_JOB_SECRET
-                     (:mod:`resilient.secret`). The state torch pickles is
-                     sealed with it, and a state that fails is never unpickled.
-lease_ttl            liveness lease TTL (default 60)
-connect_timeout      bound on the first contact with etcd (default 5)
-request_timeout      bound on one etcd request (default 5)
-retry_timeout        how long requests ride through an etcd outage (default 30)
-store_timeout        bound on store waits/barriers (default 300)
-join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
-keep_alive_interval, keep_alive_max_attempt
-                     passed to torch's DynamicRendezvousHandler. With
-                     ``--nnodes MIN:MAX`` torch's default last_call_timeout
-                     (30 s) is paid on every round: pass a short one.
-poll_interval        how often a joining (or waiting spare) node reads the
-                     shared state (default 0.1; torch's: 1); see handler.py
-share_tcp_store      default false; see below
-destroy_at_exit      default true: each worker ends its default process group
-                     at interpreter exit if the script did not, which torch
-                     2.13 otherwise aborts now and then (:mod:`.worker_exit`)
-handler              torch (default: torch's DynamicRendezvousHandler on one
-                     state key) or keys (:mod:`.keyed`: a key per node, for
-                     fleets of hundreds of nodes; same interface)
-===================  =========================================================
+``--rdzv-conf`` keys: :data:`RDZV_CONF` below (all optional; durations in seconds, floats
+allowed), also listed by ``resilient config --explain``.
 
 The shared TCP store trap (torch 2.13): by default the rank-0 agent hosts one
 TCPStore that its workers reuse *across restarts* without a per-attempt
@@ -61,6 +29,7 @@ import logging
 import os
 import sys
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
 
@@ -73,6 +42,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from resilient.contract import PASSWORD_ENV
 from resilient.etcd.api import EtcdError, EtcdUnavailable
 from resilient.etcd.client import EtcdClient, LivenessLease, parse_endpoints
 from resilient.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousUnavailable
@@ -91,10 +61,69 @@ log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd3"
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-PASSWORD_ENV = "RESILIENT_ETCD_PASSWORD"
 
 
-def _seconds(params: RendezvousParameters, key: str, default: float | None) -> timedelta | None:
+@dataclass(frozen=True)
+class ConfKey:
+    """One ``--rdzv-conf`` key: its default (None: unset, the handler's own) and meaning."""
+
+    name: str
+    default: Any
+    doc: str
+    aliases: tuple[str, ...] = ()
+
+
+# Every --rdzv-conf key this backend reads, and the defaults :func:`_seconds` and :func:`_opt`
+# fall back on. Under `resilient launch`, [launch] join_timeout, last_call_timeout and
+# keep_alive_interval set their keys (a --rdzv-conf of the same name wins), and the embedded
+# etcd's TLS and login keys are derived from the job secret.
+RDZV_CONF: dict[str, ConfKey] = {k.name: k for k in (
+    ConfKey("ca_cert", None, "CA bundle to verify etcd's TLS certificate (enables https)", ("cacert",)),
+    ConfKey("ssl_cert", None, "client certificate for etcd", ("cert",)),
+    ConfKey("ssl_cert_key", None, "the client certificate's key", ("key",)),
+    ConfKey("protocol", None, "http or https (default: https if any TLS file is given)"),
+    ConfKey("username", None, "etcd user; the password from password= or, out of ps, $RESILIENT_ETCD_PASSWORD",
+            ("user",)),
+    ConfKey("password", None, "etcd password (prefer $RESILIENT_ETCD_PASSWORD)"),
+    ConfKey("key_prefix", DEFAULT_KEY_PREFIX, "etcd namespace of the rendezvous"),
+    ConfKey("secret_file", None, "the job secret's file (mode 0600; default $RESILIENT_JOB_SECRET_FILE or "
+                                 "$RESILIENT_JOB_SECRET): the state torch pickles is sealed with it"),
+    ConfKey("lease_ttl", 60.0, "seconds: the liveness lease of the rendezvous keys"),
+    ConfKey("connect_timeout", 5.0, "seconds: bound on the first contact with etcd"),
+    ConfKey("request_timeout", 5.0, "seconds: bound on one etcd request"),
+    ConfKey("retry_timeout", 30.0, "seconds: how long requests ride through an etcd outage"),
+    ConfKey("auto_sync", None, "seconds between refreshes of the member list (unset: never)"),
+    ConfKey("store_timeout", 300.0, "seconds: bound on store waits and barriers"),
+    ConfKey("join_timeout", None, "seconds: torch's join timeout (torch's default 600; [launch] join_timeout)"),
+    ConfKey("last_call_timeout", None, "seconds: torch's last call; with --nnodes MIN:MAX paid on every round "
+                                       "(torch's default 30; [launch] last_call_timeout)"),
+    ConfKey("close_timeout", None, "seconds: torch's close timeout (torch's default 30)"),
+    ConfKey("heartbeat_timeout", None, "seconds: torch's rendezvous heartbeat timeout, after which a silent node "
+                                       "is dropped from the round (not the agent's worker heartbeat)"),
+    ConfKey("keep_alive_interval", 5.0, "seconds between a node's rendezvous keep-alives ([launch] "
+                                        "keep_alive_interval)"),
+    ConfKey("keep_alive_max_attempt", 3, "keep-alives a node may miss before the others drop it"),
+    ConfKey("poll_interval", 0.1, "seconds between reads of the shared state by a joining or waiting node "
+                                  "(torch's: 1)"),
+    ConfKey("share_tcp_store", False, "true: keep torch's shared TCP store across restarts (unsafe with gloo "
+                                      "restarts; see this module)"),
+    ConfKey("destroy_at_exit", True, "each worker ends its default process group at exit if the script did not "
+                                     "(torch 2.13 aborts now and then otherwise; resilient.rendezvous.worker_exit)"),
+    ConfKey("handler", "torch", "torch (DynamicRendezvousHandler on one state key) or keys (a key per node, "
+                                "for fleets of hundreds of nodes)"),
+)}
+_TABLE = object()   # _seconds: the default is RDZV_CONF's
+
+
+def explain_rdzv_conf() -> list[str]:
+    """One line per key: ``name = default  # meaning``."""
+    return [f"{k.name} = {k.default!r}  # {k.doc}" + (f" (alias: {', '.join(k.aliases)})" if k.aliases else "")
+            for k in RDZV_CONF.values()]
+
+
+def _seconds(params: RendezvousParameters, key: str, default: Any = _TABLE) -> timedelta | None:
+    if default is _TABLE:
+        default = RDZV_CONF[key].default
     value: Any = params.get(key, None)
     if value is None or value == "":
         return None if default is None else timedelta(seconds=default)
@@ -166,9 +195,9 @@ def client_from_params(params: RendezvousParameters) -> EtcdClient:
             key=key,
             username=username,
             password=password,
-            request_timeout=_seconds(params, "request_timeout", 5.0),  # type: ignore[arg-type]
-            retry_timeout=_seconds(params, "retry_timeout", 30.0),  # type: ignore[arg-type]
-            auto_sync=_seconds(params, "auto_sync", None),
+            request_timeout=_seconds(params, "request_timeout"),  # type: ignore[arg-type]
+            retry_timeout=_seconds(params, "retry_timeout"),  # type: ignore[arg-type]
+            auto_sync=_seconds(params, "auto_sync"),
         )
     except EtcdError as exc:
         raise RendezvousConfigError(str(exc)) from exc
@@ -187,34 +216,34 @@ def create_backend(params: RendezvousParameters) -> tuple[Etcd3RendezvousBackend
     secret = require_secret(_opt(params, "secret_file"), what=f"the etcd3 rendezvous of run {params.run_id!r}")
     client = client_from_params(params)
     try:
-        client.check(_seconds(params, "connect_timeout", 5.0))  # type: ignore[arg-type]
+        client.check(_seconds(params, "connect_timeout"))  # type: ignore[arg-type]
     except EtcdUnavailable as exc:
         client.close()
         raise RendezvousUnavailable(f"etcd3 rendezvous for run {params.run_id!r}: {exc}") from exc
     except EtcdError as exc:  # credentials or TLS refused
         client.close()
         raise RendezvousError(f"etcd3 rendezvous for run {params.run_id!r}: {exc}") from exc
-    prefix = (_opt(params, "key_prefix") or DEFAULT_KEY_PREFIX).rstrip("/")
-    lease = LivenessLease(client, _seconds(params, "lease_ttl", 60.0))  # type: ignore[arg-type]
+    prefix = (_opt(params, "key_prefix") or RDZV_CONF["key_prefix"].default).rstrip("/")
+    lease = LivenessLease(client, _seconds(params, "lease_ttl"))  # type: ignore[arg-type]
     backend = Etcd3RendezvousBackend(client, params.run_id, key_prefix=prefix, lease=lease, secret=secret)
     store = Etcd3Store(
         client,
         f"{prefix}/{params.run_id}/store/",
         lease=lease,
-        timeout=_seconds(params, "store_timeout", 300.0),  # type: ignore[arg-type]
+        timeout=_seconds(params, "store_timeout"),  # type: ignore[arg-type]
     )
     return backend, store
 
 
 def _create_handler(params: RendezvousParameters) -> Any:
-    if not params.get_as_bool("share_tcp_store", False):
+    if not params.get_as_bool("share_tcp_store", RDZV_CONF["share_tcp_store"].default):
         if os.environ.get(SHARE_STORE_ENV) == "0":
             log.warning("%s=0 was set explicitly; the etcd3 rendezvous overrides it to 1 "
                         "(pass share_tcp_store=true to keep the shared store)", SHARE_STORE_ENV)
         os.environ[SHARE_STORE_ENV] = "1"
-    if params.get_as_bool("destroy_at_exit", True):
+    if params.get_as_bool("destroy_at_exit", RDZV_CONF["destroy_at_exit"].default):
         install_worker_exit_hook()
-    kind = _opt(params, "handler") or "torch"
+    kind = _opt(params, "handler") or RDZV_CONF["handler"].default
     if kind not in ("torch", "keys"):
         raise RendezvousConfigError(f"--rdzv-conf handler={kind!r}: use 'torch' (one state key, the default) "
                                     "or 'keys' (a key per node, for large fleets)")
@@ -222,13 +251,13 @@ def _create_handler(params: RendezvousParameters) -> Any:
     if kind == "keys":
         return _keyed_handler(params, backend, store)
     timeout = RendezvousTimeout(
-        join=_seconds(params, "join_timeout", None),
-        last_call=_seconds(params, "last_call_timeout", None),
-        close=_seconds(params, "close_timeout", None),
-        heartbeat=_seconds(params, "heartbeat_timeout", None),
+        join=_seconds(params, "join_timeout"),
+        last_call=_seconds(params, "last_call_timeout"),
+        close=_seconds(params, "close_timeout"),
+        heartbeat=_seconds(params, "heartbeat_timeout"),
     )
-    keep_alive = _seconds(params, "keep_alive_interval", 5.0)
-    attempts = params.get_as_int("keep_alive_max_attempt", 3)
+    keep_alive = _seconds(params, "keep_alive_interval")
+    attempts = params.get_as_int("keep_alive_max_attempt", RDZV_CONF["keep_alive_max_attempt"].default)
     handler = ResilientRendezvousHandler.from_backend(
         params.run_id,
         store,
@@ -240,7 +269,7 @@ def _create_handler(params: RendezvousParameters) -> Any:
         keep_alive_interval=keep_alive.total_seconds(),  # type: ignore[arg-type,union-attr]
         keep_alive_max_attempt=attempts if attempts is not None else 3,
     )
-    handler.poll = _seconds(params, "poll_interval", 0.1)  # type: ignore[assignment]
+    handler.poll = _seconds(params, "poll_interval")  # type: ignore[assignment]
     install_fast_polling()
     _guard_store(store, handler)
     return handler
@@ -266,8 +295,8 @@ def _keyed_handler(params: RendezvousParameters, backend: Etcd3RendezvousBackend
     # keep_alive_max_attempt, when torch's handler drops a silent node), not the store's
     # lease_ttl: a dead node's join key must go as fast, or a relaunched job waits behind
     # the dead job's round for a minute.
-    attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3
-    window = _seconds(params, "keep_alive_interval", 5.0) * attempts  # type: ignore[operator]
+    attempts = params.get_as_int("keep_alive_max_attempt", RDZV_CONF["keep_alive_max_attempt"].default) or 3
+    window = _seconds(params, "keep_alive_interval") * attempts  # type: ignore[operator]
     lease = LivenessLease(backend.client, window)
     handler = KeyedRendezvousHandler(params.run_id, backend.client, store, lease, backend.secret, settings,
                                      key_prefix=backend.key.rsplit("/", 2)[0], local_addr=params.local_addr)

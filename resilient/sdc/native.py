@@ -36,6 +36,7 @@ from typing import Sequence
 
 import torch
 
+from resilient.contract import NATIVE_ENV
 from resilient.sdc import native_build
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ _SIGNATURES = {"rs_rows_sum_l1": [_P, _I64, _I64, _P, _P], "rs_sum_bits": [_P, _
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use, :mod:`.native_build`), or None
     where that is impossible or switched off (``RESILIENT_NATIVE=0``)."""
-    if os.environ.get("RESILIENT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     lib = native_build.load(SOURCE)
     if lib is None:
