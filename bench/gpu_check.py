@@ -160,7 +160,7 @@ class Checks:
 
     def probes(self) -> dict:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                               "tests/test_sdc_probes.py"], cwd=REPO, capture_output=True, text=True, timeout=180)
+                               "tests/unit/sdc/test_sdc_probes.py"], cwd=REPO, capture_output=True, text=True, timeout=180)
         (self.out / "probes.log").write_text(proc.stdout[-20000:] + proc.stderr[-5000:])
         return {"rc": proc.returncode, "tail": proc.stdout.strip().splitlines()[-1:]}
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write docs/cli.md (every command's --help) and docs/config.md (every knob, from
 ``resilient config --explain``): the reference pages the README links, made from the code so
-that they cannot drift from it. ``tests/test_docs_reference.py`` fails when they are stale.
+that they cannot drift from it. ``tests/unit/project/test_docs_reference.py`` fails when they are stale.
 
     python scripts/docs_reference.py          # rewrite both pages
     python scripts/docs_reference.py --check  # exit 1 naming the stale page

@@ -1,4 +1,11 @@
-"""Shared fixtures. Fixtures of one subsystem live in its own test files."""
+"""Shared fixtures, and the markers a test's folder gives it. Fixtures of one subsystem live in
+its own test files.
+
+``tests/unit/<part>/``: one part of the tree, in process (a real etcd where it needs one),
+marked ``unit``; ``tests/integration/``: jobs, agents and workers as real processes, marked
+``integration``. ``pytest -m unit`` runs the quick half; the helpers (``launchutil`` ...)
+sit in ``tests/`` itself.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,15 @@ import os
 import pytest
 
 from launchutil import CORPUS_TEXT_BYTES
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.relative_to(config.rootpath).parts
+        if parts[:2] == ("tests", "unit"):
+            item.add_marker(pytest.mark.unit)
+        elif parts[:2] == ("tests", "integration"):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -142,7 +158,7 @@ def restore_share_env():
 @pytest.fixture
 def peer_server(tmp_path):
     """A node store with a peer server on loopback, authenticated with ``bytes(range(32))``
-    (tests/test_peer_auth.py, tests/test_peer_mac.py): ``(store, server)``."""
+    (tests/unit/snapshot/test_peer_auth.py, tests/unit/snapshot/test_peer_mac.py): ``(store, server)``."""
     from resilient.snapshot.nodestore import NodeStore
     from resilient.snapshot.peer import PeerServer
 

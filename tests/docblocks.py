@@ -1,7 +1,7 @@
 """The docs' code blocks as tests: find every block a user is meant to type, and run it.
 
 A fenced block tagged ``bash``/``sh``/``shell`` or ``python`` in README.md or docs/*.md is
-either run by ``tests/test_docs_examples.py`` or marked, in the file itself, on the line
+either run by ``tests/integration/test_docs_examples.py`` or marked, in the file itself, on the line
 right before its fence::
 
     <!-- illustrative: needs a GPU fleet and S3 credentials -->

@@ -93,7 +93,7 @@ def take_early() -> tuple[subprocess.Popen, int] | None:
 
 # Options of `resilient launch` that take no value (every other --option takes one):
 # how wants_zygote finds the SCRIPT or CONFIG without importing the launcher's parser.
-# tests/test_launch_script_args.py checks this against resilient.launch's parser.
+# tests/unit/config/test_launch_script_args.py checks this against resilient.launch's parser.
 LAUNCH_FLAGS = frozenset({"-h", "--help", "-m", "--module", "--standalone"})
 
 

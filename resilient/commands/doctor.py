@@ -42,7 +42,7 @@ def _load(path: str | None, overrides: list[str], load_gpt_config: Callable[[str
 
 def main(argv: list[str], load_gpt_config: Callable[[str, list[str]], Any]) -> int:
     """``load_gpt_config``: the built-in GPT's config loader, handed over by the command line
-    (the runtime does not import the trainer; see tests/test_layers.py)."""
+    (the runtime does not import the trainer; see tests/unit/project/test_layers.py)."""
     from resilient.agent.api import parse_nnodes
 
     ap = argparse.ArgumentParser(prog="resilient doctor", description=__doc__.split("\n\n")[0],

@@ -272,10 +272,13 @@ class EtcdClient:
             except TransportError as exc:
                 text = exc.detail_text or str(exc)
                 auth_problem = any(m in text.lower() for m in _AUTH_MARKERS)
-                if self._username and not reauthed and ("token" in text.lower() or "user name is empty" in text):
+                if self._username and not reauthed and ("token" in text.lower() or "user name is empty" in text
+                                                        or "permission denied" in text):
                     # Simple tokens expire (default 5 min), and an etcd that restarted has forgotten
-                    # them: it then sees a request as from no user ("user name is empty"). Log in
-                    # again once (tests/test_control_plane_faults.py: an agent refused after its
+                    # them: it then sees a request as from no user ("user name is empty"), or, seen
+                    # under load right after a restart, refuses it outright ("permission denied"). Log
+                    # in again once; a user who really lacks the permission is refused again, and told
+                    # (tests/integration/test_control_plane_faults.py: an agent refused after its
                     # embedded etcd was killed and restarted).
                     reauthed = True
                     self._set_token(None)

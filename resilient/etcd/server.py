@@ -197,7 +197,7 @@ def _is_script(path: Path) -> bool:
 def etcd_started_by(pid: int) -> list[tuple[int, Path]]:
     """(pid, data dir) of each etcd server that process ``pid`` started (its children: setpriv
     execs etcd in place), for the harnesses that take a node down with its etcd member and
-    that member's data (tests/test_etcd_members.py, the chaos kind first-agent-lost)."""
+    that member's data (tests/integration/test_etcd_members.py, the chaos kind first-agent-lost)."""
     import psutil
 
     try:

@@ -7,7 +7,7 @@ step (snapshots in every tier, restore with resharding, SDC checks, heartbeats,
 preemption) comes from :class:`resilient.Job`, exactly as for a user's script:
 this package imports the public API (``resilient.job``, ``resilient.runconfig``,
 ``resilient.configbase``, ``resilient.errors``) and torch, nothing else of the
-runtime, and nothing in the runtime imports it (``tests/test_layers.py``).
+runtime, and nothing in the runtime imports it (``tests/unit/project/test_layers.py``).
 
 - :mod:`.config`    the run config: [model], [parallel], [train], [data] + the runtime's sections
 - :mod:`.model`     the GPT

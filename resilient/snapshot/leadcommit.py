@@ -65,7 +65,7 @@ def group_of(attempt: str) -> str:
     version had a leader record of its own, claimed only for the versions the leader took
     up: a follower whose newest version the leader skipped waited for a record that never
     came, asked for a target under another key, and no version was committed again
-    (tests/test_metrics.py's two-node job: the local tier stuck at step 15 for 90 s)."""
+    (tests/integration/test_metrics.py's two-node job: the local tier stuck at step 15 for 90 s)."""
     head, sep, seq = attempt.rpartition("-")
     return head if sep and len(seq) == 6 and seq.isdigit() else attempt
 
@@ -280,7 +280,7 @@ class LeaderCommit:
                 # A new worker group (a node lost, its holds never coming): the old group's
                 # version is dropped now, not after gather_timeout. Waiting it out held the
                 # new group's commits back 10 s while its durable versions went on
-                # (tests/test_job_launch.py: a replacement node then restored from durable).
+                # (tests/integration/test_job_launch.py: a replacement node then restored from durable).
                 if not missing or left <= 0 or self._stop or self.group != group:
                     break
                 self._cond.wait(left)

@@ -113,7 +113,7 @@ class ReplicatorOptions:
     # 90 s while training went on); leadcommit.py says more. The leader leads its worker
     # group's versions under one record (leadcommit.group_of): keyed per version, a follower
     # waited for records the leader never wrote for the versions it skipped, and the local
-    # tier stalled again (tests/test_metrics.py's two-node job, 2 runs in ~12; fixed). The
+    # tier stalled again (tests/integration/test_metrics.py's two-node job, 2 runs in ~12; fixed). The
     # agents take it from ``snapshot.commit`` (default "leader"); "etcd" here for the
     # replicator built alone (the tests of the older protocol, and no PeerServer needed).
     protocol: str = "etcd"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -216,32 +215,3 @@ def test_every_rank_takes_the_same_interval_from_agreed_inputs(tmp_path):
     lim = Limits(3600.0, 0.1, 1, 10**9)
     lo, hi = (choose(Measured(e["step_s"] * f, 0.5, 1e6, 1e6, 2, e["seconds"]), lim).every for f in (1.001, 0.999))
     assert lo <= e["every"] <= hi
-
-
-def test_the_replicator_takes_versions_an_auto_interval_put_at_any_step(tmp_path):
-    """Auto versions need not lie on multiples of one gap (5 steps apart, then 2, then 6): at
-    stride 1 the agent's replicator takes the newest whatever its step (it once kept only the
-    multiples of the smallest gap seen, and would have skipped steps 9, 11 and 17 for ever)."""
-    from test_tiers_budget import _manifest, _part, _put, _replicator
-
-    from resilient.snapshot.nodestore import NodeStore
-
-    store = NodeStore(tmp_path, "job", "n0")
-    store.create()
-    rep = _replicator(store)
-    try:
-        with rep._cond:
-            rep.local_ranks, rep.world, rep.since = frozenset({0}), 1, 0.0
-            rep._unit = 5          # the smallest gap seen so far
-        for step in (4, 9, 11, 17):
-            _put(store, _part(step), b"z")
-            _put(store, _manifest(step), b"{}")
-            newest, due = rep._newest_ready()
-            assert newest.step == step and due is not None and due.step == step
-            with rep._cond:
-                rep.done = step
-    finally:
-        with rep._cond:
-            rep.local_ranks = frozenset()
-        rep.close(timedelta(seconds=5))
-        store.remove()

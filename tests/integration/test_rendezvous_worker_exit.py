@@ -1,7 +1,7 @@
 """torchrun workers end their process group at exit (resilient/rendezvous/worker_exit.py).
 
 The abort it prevents is a race inside torch at interpreter exit (4 of 30 runs on a loaded
-host): tests/test_rendezvous_torchrun.py runs the script end to end; here, deterministically,
+host): tests/integration/test_rendezvous_torchrun.py runs the script end to end; here, deterministically,
 what the hook does in a worker's interpreter."""
 
 from __future__ import annotations

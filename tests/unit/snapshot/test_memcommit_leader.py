@@ -20,7 +20,9 @@ from resilient.snapshot.memcommit import Replicator, ReplicatorOptions, commit_k
 from resilient.snapshot.nodestore import Doorbell, NodeStore
 from resilient.snapshot.peer import PIECE, PeerServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from launchutil import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "bench"))
 from scale_node import write_rank  # noqa: E402  (the simulator's tiny rank: one row of a (world, 4) tensor)
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
 from resilient.gpt.config import explain_all
 
-REPO = Path(__file__).resolve().parent.parent
+from launchutil import REPO  # noqa: E402
 _spec = importlib.util.spec_from_file_location("docs_reference", REPO / "scripts" / "docs_reference.py")
 reference = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(reference)

@@ -184,3 +184,33 @@ def test_config_errors_are_typed():
         EtcdClient("127.0.0.1:1", cert="/x.pem")
     with pytest.raises(EtcdError, match="username and a password"):
         EtcdClient("127.0.0.1:1", username="u")
+
+
+def test_a_user_without_the_permission_is_refused_with_the_fix_after_one_login_again():
+    """"permission denied" makes the client log in again once (an etcd that restarted can answer
+    so to a token it forgot), and a user who really lacks the permission is then refused with
+    what to grant, not retried for ever."""
+    import base64
+
+    from resilient.etcd import EtcdAuthError
+    from resilient_chaos.etcd_testing import embedded_etcd, enable_auth
+
+    with embedded_etcd() as server:
+        with server.client() as admin:
+            admin._post("/auth/user/add", {"name": "limited", "password": "pw"}, "user add")
+            admin._post("/auth/role/add", {"name": "mine"}, "role add")
+            prefix = {"key": base64.b64encode(b"/mine/").decode(), "range_end": base64.b64encode(b"/mine0").decode()}
+            admin._post("/auth/role/grant", {"name": "mine", "perm": {"permType": "READWRITE", **prefix}}, "grant")
+            admin._post("/auth/user/grant", {"user": "limited", "role": "mine"}, "user grant")
+            enable_auth(admin, "rootpw")
+        with EtcdClient([f"http://{server.endpoint}"], username="limited", password="pw",
+                        retry_timeout=timedelta(seconds=5)) as c:
+            logins = []
+            real = c._set_token
+            c._set_token = lambda token: (logins.append(token), real(token))[1]
+            c.put("/mine/a", b"1")
+            assert c.get("/mine/a").value == b"1"
+            logins.clear()
+            with pytest.raises(EtcdAuthError, match="grant the user a role"):
+                c.put("/theirs/a", b"1")
+            assert len([t for t in logins if t]) == 1, logins   # one login again, then the refusal

@@ -157,7 +157,7 @@ def test_a_final_snapshot_that_cannot_be_written_fails_the_run(corpus, tmp_path)
 def test_a_node_whose_worker_leaves_for_quarantine_admits_nobody_until_it_has(tmp_path):
     """The bad node's worker marks itself before the barrier its peers leave by; until it
     has exited (WorkerExit.QUARANTINE), its agent reports no waiting node, so it cannot restart
-    (kill) the worker and lose the exit code (tests/test_sdc_train.py saw the node re-join
+    (kill) the worker and lose the exit code (tests/integration/test_sdc_train.py saw the node re-join
     and corrupt the replayed step again). The mark goes with the worker's slot."""
     from datetime import timedelta
     from types import SimpleNamespace

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from resilient.observe import plots
 
-REPO = Path(__file__).resolve().parents[1]
+from launchutil import REPO  # noqa: E402
 
 
 @pytest.fixture

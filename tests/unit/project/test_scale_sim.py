@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from launchutil import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "bench"))
 import scale  # noqa: E402
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(300)]

@@ -175,10 +175,10 @@ PLAIN = "import torch, torch.distributed as dist\n" \
 # Issue 44: a script that never calls destroy_process_group() aborted at interpreter exit now
 # and then ("terminate called without an active exception", exit -6: 4 of 30 runs beside 3 CPU
 # hogs, on torch's c10d rendezvous too); the etcd3 rendezvous now gives its workers an exit hook
-# (resilient/rendezvous/worker_exit.py; tests/test_rendezvous_worker_exit.py tests it
+# (resilient/rendezvous/worker_exit.py; tests/integration/test_rendezvous_worker_exit.py tests it
 # deterministically). Run twice here, where it rarely showed; the soak that showed it (add
 # RESILIENT_SOAK_RDZV_CONF=destroy_at_exit=false to see it fail without the hook):
-#   RESILIENT_SOAK_RUNS=30 RESILIENT_SOAK_HOGS=3 python3 -m pytest -q tests/test_rendezvous_torchrun.py -k destroy
+#   RESILIENT_SOAK_RUNS=30 RESILIENT_SOAK_HOGS=3 python3 -m pytest -q tests/integration/test_rendezvous_torchrun.py -k destroy
 SOAK_RUNS = int(os.environ.get("RESILIENT_SOAK_RUNS", "2"))
 SOAK_HOGS = int(os.environ.get("RESILIENT_SOAK_HOGS", "0"))  # busy processes beside it: a loaded host
 SOAK_RDZV_CONF = os.environ.get("RESILIENT_SOAK_RDZV_CONF", "")
