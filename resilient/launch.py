@@ -495,7 +495,7 @@ def _run_node(args: argparse.Namespace, run: Run) -> int:
             store=store_settings(program.runtime.snapshot),
             worker_entry=program.entry, worker_argv=run.worker_argv, worker_preload=program.preload,
             worker_env=worker_env(nproc), worker_heartbeats=program.heartbeats,
-            runtime_config=str(run.runtime_config),
+            runtime_config=str(run.runtime_config), failslow=program.runtime.failslow,
             metrics_port=lc.metrics_port if lc.metrics_port >= 0 else None, metrics_host=lc.metrics_host,
             durable_url=program.runtime.snapshot.durable_url,
         )

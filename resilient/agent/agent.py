@@ -200,7 +200,7 @@ class ResilientAgent(SimpleElasticAgent):
             registry.update(**info)
         # fail-slow replace: whether a seat can be handed over; a slow node's mark and rejoin
         self.failslow = SeatHandover(node=settings.node_id, run_id=settings.run_id, run_dir=settings.run_dir,
-                                     min_nodes=settings.min_nodes, runtime_config=settings.runtime_config,
+                                     min_nodes=settings.min_nodes, cfg=settings.failslow,
                                      registry=registry, events=events, tmp=self._tmp)
         self.compactor = None  # started last: a failed start leaves no thread behind
         if registry is not None and settings.etcd_compact_interval > timedelta(0):

@@ -9,6 +9,7 @@ from typing import Any
 
 from resilient.contract import SCRIPT_ENTRY
 from resilient.errors import ResilientError
+from resilient.failslow.api import FailSlowConfig
 
 
 class AgentError(ResilientError):
@@ -73,6 +74,7 @@ class AgentSettings:
     # neither kills it as hung at startup_timeout nor counts its exit as a startup failure.
     worker_heartbeats: bool = True
     runtime_config: str = ""            # RuntimeConfig JSON for the workers (contract.RUNTIME_CONFIG_ENV)
+    failslow: FailSlowConfig = field(default_factory=FailSlowConfig)  # [failslow]: the seat hand-over's policy
     metrics_port: int | None = None     # Prometheus /metrics (resilient.agent.metrics): 0 = a free port, None = off
     metrics_host: str = "127.0.0.1"     # ... the address it binds (launch.metrics_host)
     durable_url: str = ""               # snapshot.durable_url: where the ledger's durable copy goes ("" = RUN_DIR/checkpoints)

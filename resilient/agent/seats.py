@@ -67,23 +67,13 @@ def seat_of(round_size: int, spares: int, min_nodes: int) -> str:
     return "shrink" if round_size - 1 >= min_nodes else "none"
 
 
-def load_config(runtime_config: str) -> FailSlowConfig:
-    """``[failslow]`` of the runtime config the launcher resolved for the workers (a JSON file)."""
-    if not runtime_config:
-        return FailSlowConfig()
-    from resilient.runconfig import runtime_config_from_dict
-
-    with open(runtime_config) as f:
-        return runtime_config_from_dict(json.load(f), source=runtime_config).failslow
-
-
 class SeatHandover:
     """The agent's end of the ``replace`` policy (module doc). Inactive (every method a
     no-op) unless ``failslow.policy = "replace"`` and the agent has a node registry."""
 
-    def __init__(self, *, node: str, run_id: str, run_dir: str, min_nodes: int, runtime_config: str,
+    def __init__(self, *, node: str, run_id: str, run_dir: str, min_nodes: int, cfg: FailSlowConfig,
                  registry: Any, events: Any, tmp: Path, publish_every: float = 1.0):
-        self.cfg = load_config(runtime_config)
+        self.cfg = cfg
         self.node, self.run_dir, self.min_nodes = node, Path(run_dir), min_nodes
         self.registry, self.events = registry, events
         self.active = self.cfg.policy == "replace" and registry is not None
