@@ -27,17 +27,16 @@ def _cmd_launch(argv: list[str]) -> int:
     from resilient import launch  # light: parses before anything imports torch
     from resilient.agent import warm
 
-    from resilient.gpt.program import GPT_PRELOAD, gpt_program  # light: imports no torch
-
     args = launch.parse_args(argv)
     # Every config error (a typo, a negative interval) is answered here, before anything imports
     # torch, even in the zygote: a wrong knob costs the user no torch import (minutes on a loaded host).
-    run = launch.prepare_run(args, gpt_program)
+    # A run config is run by the program installed for it (launch.config_program: the built-in GPT).
+    run = launch.prepare_run(args)
     if warm.wants_zygote(argv):
         # its torch import overlaps ours (see warm.start_early)
-        warm.start_early(GPT_PRELOAD if args.form == "gpt" else launch.script_preload())
+        warm.start_early(run.program.preload)
     try:
-        return launch.launch(args, gpt=gpt_program, run=run)
+        return launch.launch(args, run=run)
     finally:
         early = warm.take_early()  # not adopted: the launch failed before its agent started
         if early is not None:
@@ -95,7 +94,7 @@ def _cmd_chaos(argv: list[str]) -> int:
 
 def _cmd_doctor(argv: list[str]) -> int:
     from resilient.commands.doctor import main as doctor_main
-    from resilient.gpt.config import load_config  # the GPT's configs: handed down, as launch hands gpt_program
+    from resilient.gpt.config import load_config  # the GPT's configs: handed down (the runtime never imports the trainer)
 
     return doctor_main(argv, load_config)
 

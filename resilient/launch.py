@@ -6,8 +6,10 @@ Two forms, one per node, like ``torchrun``::
     resilient launch CONFIG.toml [OPTIONS]           the built-in GPT
 
 The form decides the :class:`Program`, what the workers run: the script under
-:mod:`resilient.agent.script` (:func:`script_program`), or the GPT's worker
-(:func:`resilient.gpt.program.gpt_program`, handed in by the command line: the runtime never imports the trainer). Everything else
+:mod:`resilient.agent.script` (:func:`script_program`), or, for a run config, the program
+installed under the entry-point group ``resilient.programs`` (:func:`config_program`: the
+built-in GPT registers ``resilient.gpt.program:gpt_program`` there; the runtime never names
+or imports the trainer, and a trainer of your own plugs in the same way). Everything else
 is shared: every check runs before anything starts; the runtime config
 (``[snapshot]``, ``[sdc]``, ``[launch]``) is written to the run dir as JSON
 for the workers (``RESILIENT_RUNTIME_CONFIG``); then etcd is found and a
@@ -234,22 +236,42 @@ class Run:
 ProgramFactory = Callable[[argparse.Namespace], Program]
 
 
-def prepare_run(args: argparse.Namespace, gpt: ProgramFactory | None = None) -> Run:
+# The entry-point group of the programs that run a run config (``resilient launch CONFIG.toml``):
+# ``NAME = "package.module:factory"``, a factory ``(args) -> Program`` (the built-in GPT's is
+# resilient.gpt.program:gpt_program, registered in pyproject.toml).
+PROGRAMS = "resilient.programs"
+
+
+def config_program() -> ProgramFactory | None:
+    """The program installed to run a run config, or None when there is none. With several
+    installed the choice would be a guess: a :class:`LaunchError` names them."""
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep for ep in entry_points(group=PROGRAMS)}
+    if len(found) > 1:
+        raise LaunchError(f"several programs are installed to run a run config ({', '.join(sorted(found))}, "
+                          f"entry-point group {PROGRAMS!r}): uninstall all but one, or launch a script instead")
+    return next(iter(found.values())).load() if found else None
+
+
+def prepare_run(args: argparse.Namespace, program_factory: ProgramFactory | None = None) -> Run:
     """Every check, then the run dir and the files the workers read. Nothing starts here.
 
-    ``gpt``: what runs a run config (``resilient launch CONFIG.toml``): the built-in trainer's
-    :func:`resilient.gpt.program.gpt_program`, handed in by the command line, so that this
-    runtime module never imports the trainer that uses it."""
+    ``program_factory``: what runs a run config (``resilient launch CONFIG.toml``); default: the
+    program installed under :data:`PROGRAMS` (:func:`config_program`)."""
     for flag, value in (("--node-id", args.node_id), ("--run-id", args.run_id)):
         if value is not None:
             check_name(flag, value)
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
     if args.form == "gpt":
-        if gpt is None:
-            raise LaunchError(f"{args.config}: this launcher has no built-in trainer to run a run config with; "
-                              "launch a script instead (resilient launch [OPTIONS] SCRIPT [ARGS...])")
-        program = gpt(args)
+        factory = program_factory or config_program()
+        if factory is None:
+            raise LaunchError(f"{args.config}: no program is installed to run a run config with (entry-point group "
+                              f"{PROGRAMS!r}; the built-in GPT registers itself there: a checkout whose install is "
+                              f"older than its code needs `pip install -e .` again); or launch a script instead "
+                              f"(resilient launch [OPTIONS] SCRIPT [ARGS...])")
+        program = factory(args)
     else:
         program = script_program(args)
     lc = program.runtime.launch
@@ -410,10 +432,10 @@ def _raise_on_signal(signum, frame):
     raise SignalException(f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
-def launch(args: argparse.Namespace, gpt: ProgramFactory | None = None, run: Run | None = None) -> int:
+def launch(args: argparse.Namespace, run: Run | None = None) -> int:
     """Run this node until the job ends; ``args`` from :func:`parse_args`, ``run`` from
     :func:`prepare_run` when the caller checked the config already."""
-    run = run if run is not None else prepare_run(args, gpt)
+    run = run if run is not None else prepare_run(args)
     from resilient.preflight import check_before_launch  # a FAIL raises: etcd, store, workers not started
 
     check_before_launch(args, run)

@@ -3,9 +3,9 @@
 Everything the launcher knows of the trainer is here: the config is read and its layout
 validated for every world size the job may take (``--nnodes MIN:MAX`` × processes per
 node), the corpus checked, before anything starts; the workers run
-:mod:`resilient.gpt.worker` with the resolved config as JSON. The command line hands
-:func:`gpt_program` to :func:`resilient.launch.launch`, so the runtime never imports the
-trainer.
+:mod:`resilient.gpt.worker` with the resolved config as JSON. :func:`gpt_program` is registered
+under the entry-point group ``resilient.programs`` (pyproject.toml), where
+:func:`resilient.launch.config_program` finds it: the runtime never names or imports the trainer.
 """
 
 from __future__ import annotations

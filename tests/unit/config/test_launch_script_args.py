@@ -137,7 +137,7 @@ def test_wants_zygote_knows_every_option_that_takes_no_value():
 
 def test_a_script_launch_resolves_its_runtime_config_counts_and_digest(tmp_path, script, runtime_toml):
     def run(*argv: str) -> launch.Run:
-        return launch.prepare_run(parse_args(["--run-dir", str(tmp_path / "run"), "--node-id", "n1", *argv]), gpt=gpt_program)
+        return launch.prepare_run(parse_args(["--run-dir", str(tmp_path / "run"), "--node-id", "n1", *argv]), gpt_program)
 
     r = run("--config", runtime_toml, "--set", "sdc.enable=false", "--nproc-per-node", "3", script, "--lr", "1")
     assert (r.nproc, r.nnodes, r.max_restarts, r.node) == (3, (1, 1), 7, "n1")
@@ -204,3 +204,23 @@ def test_an_uncaught_exception_is_a_traceback_a_worker_error_event_and_exit_1(tm
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["node"], e["rank"], e["error"]) for e in events] == [
         ("worker_error", "n7", 3, "ValueError: loss is nan")]
+
+
+def test_a_run_config_is_run_by_the_program_installed_for_it(monkeypatch):
+    """Issue 40: the runtime never names the trainer: the built-in GPT registers its program under
+    the entry-point group resilient.programs, where launch finds it; none installed is a clear
+    error, several a refusal to guess."""
+    import importlib.metadata as md
+
+    from resilient.errors import LaunchError
+
+    assert launch.config_program() is gpt_program
+    real = md.entry_points
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [] if group == launch.PROGRAMS else real(group=group))
+    assert launch.config_program() is None
+    with pytest.raises(LaunchError, match="no program is installed"):
+        launch.prepare_run(parse_args(["configs/demo.toml"]))
+    two = [md.EntryPoint(n, "resilient.gpt.program:gpt_program", launch.PROGRAMS) for n in ("a", "b")]
+    monkeypatch.setattr(md, "entry_points", lambda group=None: two if group == launch.PROGRAMS else real(group=group))
+    with pytest.raises(LaunchError, match=r"several programs .*\(a, b"):
+        launch.config_program()
