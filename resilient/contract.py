@@ -28,9 +28,9 @@ from resilient.errors import ConfigError
 __all__ = [
     "RUN_DIR_ENV", "NODE_ID_ENV", "RUNTIME_CONFIG_ENV", "STORE_ENV", "HEARTBEAT_ENV", "HOOKS_ENV", "SEATS_ENV",
     "ROUND_ENV", "PARENT_PID_ENV", "SECRET_ENV", "SECRET_FILE_ENV", "PASSWORD_ENV", "ETCD_BIN_ENV", "NATIVE_ENV",
-    "ENVIRONMENT", "explain_environment", "SCRIPT_ENTRY", "WorkerExit", "EVENTS_FILE", "QUARANTINE_SUFFIX", "STOP_REASON",
-    "LEAVING", "SEAT_CODES", "events_path", "check_name", "default_run_id", "mark_clean_run_end", "peer_gone_after_run_end",
-    "said_peer_gone",
+    "ENVIRONMENT", "explain_environment", "SCRIPT_ENTRY", "WorkerExit", "EVENTS_FILE", "QUARANTINE_SUFFIX",
+    "STOP_REASON", "LEAVING", "SEAT_CODES", "events_path", "check_name", "default_run_id", "mark_clean_run_end",
+    "peer_gone_after_run_end", "said_peer_gone",
 ]
 
 # ---- The environment a worker gets beyond torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, ...) ----
@@ -119,6 +119,8 @@ def events_path(run_dir: str | os.PathLike) -> Path:
 
 
 # ---- Names ----
+# Node and run ids name files (the node store under /dev/shm, temp dirs) and etcd keys:
+# a "/" or ".." in one would reach outside the store, and a store is removed with rmtree.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

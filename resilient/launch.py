@@ -217,8 +217,6 @@ def worker_env(nproc: int) -> dict[str, str]:
     return env
 
 
-# Node and run ids name files (the node store under /dev/shm, temp dirs) and etcd keys:
-# a "/" or ".." in one would reach outside the store, and a store is removed with rmtree.
 @dataclass
 class Run:
     """One node's launch, resolved: the program and where and how many."""
@@ -397,19 +395,15 @@ def wait_for_agents_to_leave(etcd, run_id: str, node: str | None, bound: timedel
         return others
 
 
-# The --rdzv-conf keys that say how to reach etcd (TLS, auth, timeouts): workers need them too.
-_ETCD_KEYS = {"protocol", "ca_cert", "cacert", "ssl_cert", "cert", "ssl_cert_key", "key", "username", "user",
-              "request_timeout", "retry_timeout", "auto_sync"}
-
-
 def worker_etcd_conf(conf: dict[str, str]) -> dict[str, str]:
     """What workers need of the agent's ``--rdzv-conf`` to reach etcd. A password given there
     goes to the workers through the environment they inherit, never into their arguments."""
-    if conf.get("password"):
-        from resilient.rendezvous.registry import PASSWORD_ENV
+    from resilient.contract import PASSWORD_ENV
+    from resilient.rendezvous.registry import client_keys
 
+    if conf.get("password"):
         os.environ[PASSWORD_ENV] = conf["password"]
-    return {k: v for k, v in conf.items() if k in _ETCD_KEYS}
+    return {k: v for k, v in conf.items() if k in client_keys() - {"password"}}
 
 
 def store_settings(snap: SnapshotConfig):

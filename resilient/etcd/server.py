@@ -122,7 +122,7 @@ def embedded_etcd_conf(secret, tls_dir: str | os.PathLike | None = None,
     client certificate (files in ``tls_dir``, see :func:`embedded_tls`) and the root login.
     The password stays in this process (and, for workers, in their environment): never in argv.
     ``auto_sync``: for an embedded etcd that grows into a cluster while the job runs
-    (resilient.control.members), how often every client, workers too (launch's ``_ETCD_KEYS``),
+    (resilient.control.members), how often every client, workers too (``rendezvous.registry.client_keys``),
     re-reads its members (EtcdClient ``auto_sync``); None for one member, which has no others."""
     sync = {} if auto_sync is None else {"auto_sync": f"{auto_sync.total_seconds():g}"}
     return {"username": ROOT_USER, "password": secret.etcd_password, **sync,

@@ -71,6 +71,7 @@ class ConfKey:
     default: Any
     doc: str
     aliases: tuple[str, ...] = ()
+    client: bool = False   # how to reach etcd (client_from_params): the workers need it too
 
 
 # Every --rdzv-conf key this backend reads, and the defaults :func:`_seconds` and :func:`_opt`
@@ -78,21 +79,21 @@ class ConfKey:
 # keep_alive_interval set their keys (a --rdzv-conf of the same name wins), and the embedded
 # etcd's TLS and login keys are derived from the job secret.
 RDZV_CONF: dict[str, ConfKey] = {k.name: k for k in (
-    ConfKey("ca_cert", None, "CA bundle to verify etcd's TLS certificate (enables https)", ("cacert",)),
-    ConfKey("ssl_cert", None, "client certificate for etcd", ("cert",)),
-    ConfKey("ssl_cert_key", None, "the client certificate's key", ("key",)),
-    ConfKey("protocol", None, "http or https (default: https if any TLS file is given)"),
+    ConfKey("ca_cert", None, "CA bundle to verify etcd's TLS certificate (enables https)", ("cacert",), client=True),
+    ConfKey("ssl_cert", None, "client certificate for etcd", ("cert",), client=True),
+    ConfKey("ssl_cert_key", None, "the client certificate's key", ("key",), client=True),
+    ConfKey("protocol", None, "http or https (default: https if any TLS file is given)", client=True),
     ConfKey("username", None, "etcd user; the password from password= or, out of ps, $RESILIENT_ETCD_PASSWORD",
-            ("user",)),
-    ConfKey("password", None, "etcd password (prefer $RESILIENT_ETCD_PASSWORD)"),
+            ("user",), client=True),
+    ConfKey("password", None, "etcd password (prefer $RESILIENT_ETCD_PASSWORD)", client=True),
     ConfKey("key_prefix", DEFAULT_KEY_PREFIX, "etcd namespace of the rendezvous"),
     ConfKey("secret_file", None, "the job secret's file (mode 0600; default $RESILIENT_JOB_SECRET_FILE or "
                                  "$RESILIENT_JOB_SECRET): the state torch pickles is sealed with it"),
     ConfKey("lease_ttl", 60.0, "seconds: the liveness lease of the rendezvous keys"),
     ConfKey("connect_timeout", 5.0, "seconds: bound on the first contact with etcd"),
-    ConfKey("request_timeout", 5.0, "seconds: bound on one etcd request"),
-    ConfKey("retry_timeout", 30.0, "seconds: how long requests ride through an etcd outage"),
-    ConfKey("auto_sync", None, "seconds between refreshes of the member list (unset: never)"),
+    ConfKey("request_timeout", 5.0, "seconds: bound on one etcd request", client=True),
+    ConfKey("retry_timeout", 30.0, "seconds: how long requests ride through an etcd outage", client=True),
+    ConfKey("auto_sync", None, "seconds between refreshes of the member list (unset: never)", client=True),
     ConfKey("store_timeout", 300.0, "seconds: bound on store waits and barriers"),
     ConfKey("join_timeout", None, "seconds: torch's join timeout (torch's default 600; [launch] join_timeout)"),
     ConfKey("last_call_timeout", None, "seconds: torch's last call; with --nnodes MIN:MAX paid on every round "
@@ -113,6 +114,11 @@ RDZV_CONF: dict[str, ConfKey] = {k.name: k for k in (
                                 "for fleets of hundreds of nodes)"),
 )}
 _TABLE = object()   # _seconds: the default is RDZV_CONF's
+
+
+def client_keys() -> frozenset[str]:
+    """The --rdzv-conf keys (aliases too) that say how to reach etcd: TLS, login, timeouts."""
+    return frozenset(n for k in RDZV_CONF.values() if k.client for n in (k.name, *k.aliases))
 
 
 def explain_rdzv_conf() -> list[str]:
