@@ -206,11 +206,23 @@ class EtcdClient:
         for gw in self._gw:
             gw.set_token(token)
 
-    def _authenticate(self, gw: Gateway) -> None:
+    def _authenticate(self, gw: Gateway, stale: str | None) -> None:
+        """Log in and send the new token from now on, unless another thread already replaced
+        ``stale`` (the token the caller's request was refused with; None: it had none yet).
+
+        Why the token is never cleared while logging in: the client is shared by the agent's
+        threads, and a request sent without a token over the client-certificate TLS of the
+        embedded etcd is taken as from the certificate's (empty) common name and refused
+        "permission denied" (etcd 3.4's AuthInfoFromTLS), which is not a reason to log in
+        again: the other threads keep the stale token, are told "invalid auth token", and
+        wait here for the one login (seen under load after an etcd restart:
+        tests/integration/test_control_plane_faults.py)."""
         with self._auth_lock:
-            self._set_token(None)
+            if self._token != stale:
+                return
             try:
-                resp = gw.post("/auth/authenticate", {"name": self._username, "password": self._password})
+                resp = gw.post("/auth/authenticate", {"name": self._username, "password": self._password},
+                               with_token=False)
             except _RETRYABLE:
                 raise
             except TransportError as exc:
@@ -242,14 +254,18 @@ class EtcdClient:
         budget = (self.retry_timeout if retry_timeout is None else retry_timeout).total_seconds()
         start = time.monotonic()
         delay = 0.02
-        reauthed = False
+        reauthed = relogin = False   # logged in again once in this call / to do before the next try
+        refused_with: str | None = None   # the token the server refused
+        used: str | None = None
         while True:
             gws = self._gw   # replaced whole by a sync: this call keeps the list it started with
             idx = self._current % len(gws)
             gw = gws[idx]
             try:
-                if self._username and self._token is None:
-                    self._authenticate(gw)
+                if self._username and (self._token is None or relogin):
+                    self._authenticate(gw, stale=refused_with if relogin else None)
+                    relogin = False
+                used = self._token
                 out = fn(gw)
                 if self.auto_sync is not None and time.monotonic() - self._synced >= self.auto_sync.total_seconds():
                     self._sync(gw)
@@ -275,13 +291,11 @@ class EtcdClient:
                 if self._username and not reauthed and ("token" in text.lower() or "user name is empty" in text
                                                         or "permission denied" in text):
                     # Simple tokens expire (default 5 min), and an etcd that restarted has forgotten
-                    # them: it then sees a request as from no user ("user name is empty"), or, seen
-                    # under load right after a restart, refuses it outright ("permission denied"). Log
-                    # in again once; a user who really lacks the permission is refused again, and told
-                    # (tests/integration/test_control_plane_faults.py: an agent refused after its
-                    # embedded etcd was killed and restarted).
-                    reauthed = True
-                    self._set_token(None)
+                    # them ("invalid auth token"; "user name is empty" where a request reaches it
+                    # without one). Log in again once (or take the token another thread just got);
+                    # a user who really lacks the permission is refused again, and told.
+                    reauthed = relogin = True
+                    refused_with = used
                     continue
                 if self._username and "authentication is not enabled" in text:
                     raise EtcdAuthDisabled(gw.base_url, self._username) from None

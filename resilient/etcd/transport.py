@@ -116,10 +116,12 @@ class Gateway:
             with self._lock:
                 self._all = [(t, c) for t, c in self._all if c is not conn]
 
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def post(self, path: str, body: dict[str, Any], with_token: bool = True) -> dict[str, Any]:
+        """``with_token=False``: without the auth token (a login: the token it replaces may be stale)."""
         conn = self._connection()
+        headers = self.headers if with_token else {"Content-Type": "application/json"}
         try:
-            conn.request("POST", self.api_path + path.lstrip("/"), json.dumps(body), self.headers)
+            conn.request("POST", self.api_path + path.lstrip("/"), json.dumps(body), headers)
             resp = conn.getresponse()
             status, reason, data = resp.status, resp.reason, resp.read()
         except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, TLS

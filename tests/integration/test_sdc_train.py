@@ -71,6 +71,10 @@ def test_a_flip_before_the_first_step_is_caught(corpus, tmp_path, reference):
     assert digests(run) == digests(reference)
 
 
+TRAIL = {"run_start", "step", "commit", "gc", "sdc_suspect", "rollback", "restore", "restore_error", "upload_error",
+         "worker_error", "run_end"}
+
+
 def test_sparse_checks_roll_back_to_the_verified_version_and_abandon_the_rest(corpus, tmp_path, reference):
     """Parameters verified every 2 steps, durable retention of 1 version: a flip after
     step 4 is seen at step 5, when only step 2's state is verified. Retention kept
@@ -81,9 +85,11 @@ def test_sparse_checks_roll_back_to_the_verified_version_and_abandon_the_rest(co
     over = tiny_overrides(corpus, 6, **{"snapshot.durable_every": 1, "snapshot.keep_last": 1,
                                         "sdc.param_check_every": 2, "sdc.state_check_every": 2})
     run_launch(DEMO, run, over + [flip("param", "layers.0.feed_forward.w1.weight", 31, 0, 4)], nproc=2)
-    assert [e["step"] for e in events(run, "sdc_suspect") if e["rank"] == 0] == [5]
+    trail = [{k: e[k] for k in ("event", "step", "tier", "removed", "kept", "to_step", "reason", "url") if k in e}
+             for e in events(run) if e.get("rank") in (0, None) and e["event"] in TRAIL]
+    assert [e["step"] for e in events(run, "sdc_suspect") if e["rank"] == 0] == [5], trail
     (rollback,) = [e for e in events(run, "rollback") if e["rank"] == 0 and "step" not in e]
-    assert rollback["to_step"] == 2
+    assert rollback["to_step"] == 2, trail
     assert [(e["step"], e["tier"]) for e in events(run, "restore") if e["rank"] == 0] == [(2, "durable")]
     (abandoned,) = [e for e in events(run, "gc") if e.get("reason") == "rollback"]
     assert abandoned["removed"] == [4]
