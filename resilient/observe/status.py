@@ -14,7 +14,7 @@ Two sources, either or both:
 * the job's etcd: the records the agents keep there, read through the
   runtime's own authenticated readers (node registry:
   :func:`resilient.agent.membership.read_registry`; commits:
-  :func:`resilient.snapshot.memcommit.read_commits`; quarantine:
+  :func:`resilient.snapshot.commits.read_commits`; quarantine:
   :class:`resilient.agent.quarantine.Quarantine`) with the job secret, reached
   as ``resilient quarantine`` reaches it (TLS/auth keys, the embedded etcd's
   login). A record that fails authentication is left out, never shown. A run
@@ -158,7 +158,7 @@ def from_etcd(endpoint: str, run_id: str, rdzv_conf: str = "", secret_file: str 
     from resilient.agent.membership import read_registry
     from resilient.agent.quarantine import Quarantine
     from resilient.control.reach import cli_client, cli_secret
-    from resilient.snapshot.memcommit import read_commits
+    from resilient.snapshot.commits import read_commits
 
     args = argparse.Namespace(rdzv_endpoint=endpoint, run_id=run_id, secret_file=secret_file, run_dir=run_dir,
                               rdzv_conf=rdzv_conf or "retry_timeout=2", embedded=embedded)
@@ -171,9 +171,8 @@ def from_etcd(endpoint: str, run_id: str, rdzv_conf: str = "", secret_file: str 
     except Exception as e:  # noqa: BLE001  (shown, not raised: see the docstring)
         return {"endpoint": endpoint, "error": f"{type(e).__name__}: {e}"}
     committed: dict[str, int] = {}
-    for rec in commits:  # a memory-tier record with k > 0 copies is the peer tier, k = 0 the local one
-        tier = "peer" if (rec.get("k") or 0) > 0 else "local"
-        committed[tier] = max(committed.get(tier, -1), rec["step"])
+    for rec in commits:
+        committed[rec.tier] = max(committed.get(rec.tier, -1), rec.step)
     return {"endpoint": endpoint, "registry": registry, "committed": committed, "quarantine": quarantine}
 
 

@@ -1,18 +1,70 @@
-"""Where the memory tiers' commit records live in etcd, and how they are read back.
+"""The memory tiers' commit records: their format, where they live in etcd, how they are read back.
 
-Apart from the replicator (:mod:`.memcommit`, which writes them in the agent) because the
-workers' restore (:mod:`.tiers`) and ``resilient status`` read them too, and need none of
-the replicator's machinery. Every record carries a MAC under the job secret
-(:mod:`resilient.secret`); one that fails is reported (``auth_failure``) and left out.
+One module owns the record (:class:`CommitRecord`): the replicator (:mod:`.memcommit`, in the
+agent) writes it, the workers' restore (:mod:`.tiers`) and ``resilient status`` read it, and
+none of them spells its fields. Apart from the replicator because the readers need none of its
+machinery. Every record carries a MAC under the job secret (:mod:`resilient.secret`); one that
+fails is reported (``auth_failure``) and left out, and one that authenticates but is not a
+well-formed record is left out too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
 
 from resilient.ledger import Copy
 from resilient.secret import COMMIT, JobSecret, read_records, report_unauthentic
 from resilient.snapshot.epoch import Epoch, rollback_order, epoch_key, epoch_ledger, made_in
+
+
+@dataclass
+class CommitRecord:
+    """One commit of a version at a memory tier: JSON at :func:`commit_key`, sealed under the
+    job secret, written once (create-only, fenced by the run's epoch)."""
+
+    step: int
+    attempt: str        # the version's attempt directory (``<group>-<seq>``): which write of the step
+    world: int          # ranks in the version
+    holders: dict[str, list[str]] = field(default_factory=dict)   # rank (a JSON key) -> nodes holding its files
+    k: int = 0          # copies beyond the first: 0 is the local tier, more the peer tier
+    time: float = math.inf   # when it was committed: an agent started after it holds an empty store
+    epoch: int = 0      # the rollback epoch it was made in (:mod:`.epoch`; -1: not said well)
+
+    @property
+    def tier(self) -> str:
+        """The tier it commits the version at, as events and ``resilient status`` name it."""
+        return "peer" if self.k > 0 else "local"
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"step": self.step, "attempt": self.attempt, "world": self.world, "k": self.k,
+                "holders": self.holders, "time": self.time, "epoch": self.epoch}
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> CommitRecord | None:
+        """The record of an authenticated document, or None when it is not a well-formed one."""
+        try:
+            step, world, k = int(doc["step"]), int(doc["world"]), int(doc.get("k", 0))
+            attempt, holders = doc["attempt"], doc["holders"]
+            when = float(doc.get("time", math.inf))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not isinstance(attempt, str) or not isinstance(holders, dict) or not all(
+                isinstance(h, list) and all(isinstance(n, str) for n in h) for h in holders.values()):
+            return None
+        return cls(step, attempt, world, {str(r): list(h) for r, h in holders.items()}, k, when, made_in(doc))
+
+    def add_holders(self, holders: Mapping[str, list[str]]) -> None:
+        """The same version held elsewhere too (its other tier's record, a kept tree): the union."""
+        union_holders(self.holders, holders)
+
+
+def union_holders(into: dict[str, list[str]], more: Mapping[str, list[str]]) -> None:
+    """``{rank: [nodes]}``: add ``more``'s nodes to ``into``, each once, in the order first seen."""
+    for r, h in more.items():
+        have = into.setdefault(r, [])
+        have += [n for n in h if n not in have]
 
 
 def commit_prefix(run_id: str, tier: str) -> str:
@@ -28,7 +80,7 @@ def holds_prefix(run_id: str, step: int) -> str:
 
 
 def read_commits(client, run_id: str, secret: JobSecret | bytes, events: Any = None,
-                 copies: Iterable[Copy] = ()) -> list[dict]:
+                 copies: Iterable[Copy] = ()) -> list[CommitRecord]:
     """Every commit record of the run (both tiers) that authenticates, has a well-formed step
     and is not abandoned by a rollback (the epoch: etcd's copy, read with the records, and
     those of ``copies``, the run's ledger beside etcd)."""
@@ -59,22 +111,21 @@ def read_run_epoch(client, run_id: str, secret: JobSecret | bytes, copies: Itera
 
 
 def read_commits_epoch(client, run_id: str, secret: JobSecret | bytes, events: Any = None,
-                       copies: Iterable[Copy] = ()) -> tuple[list[dict], Epoch]:
+                       copies: Iterable[Copy] = ()) -> tuple[list[CommitRecord], Epoch]:
     """:func:`read_commits`, and the run's epoch it judged them by (what a restore also judges
     the versions of the other tiers by: :func:`resilient.snapshot.auth.admit`)."""
     key = epoch_key(run_id)
     found = read_records(client, f"/resilient/{run_id}/commit/", COMMIT, secret, events, "commit record")
     epoch = run_epoch(found.pop(key.rsplit("/", 1)[-1], None), secret, run_id, copies, events)
     out = []
-    for suffix, rec in found.items():
-        try:
-            rec["step"] = int(rec["step"])
-        except (KeyError, TypeError, ValueError):
+    for suffix, doc in found.items():
+        rec = CommitRecord.from_doc(doc)
+        if rec is None:
             continue
-        if not epoch.admits(rec["step"], made_in(rec)):
+        if not epoch.admits(rec.step, rec.epoch):
             report_unauthentic(events, "abandoned commit record", f"/resilient/{run_id}/commit/{suffix}",
-                               f"step {rec['step']} of epoch {made_in(rec)} was abandoned by a rollback to step "
-                               f"{epoch.cap(made_in(rec))} (the run is in epoch {epoch.gen}): an old record put back")
+                               f"step {rec.step} of epoch {rec.epoch} was abandoned by a rollback to step "
+                               f"{epoch.cap(rec.epoch)} (the run is in epoch {epoch.gen}): an old record put back")
             continue
         out.append(rec)
     return out, epoch

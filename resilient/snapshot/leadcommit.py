@@ -49,6 +49,7 @@ from typing import Any
 
 from resilient.secret import HOLDS
 from resilient.snapshot.api import SnapshotError
+from resilient.snapshot.commits import union_holders
 from resilient.snapshot.nodestore import LocalVersion
 from resilient.snapshot.peer import PeerError
 
@@ -76,9 +77,7 @@ def merge_holds(docs, attempt: str, world: int) -> dict[str, list[str]]:
     for got in docs:
         if got.get("attempt") != attempt or got.get("world") != world:
             continue
-        for r, h in (got.get("holders") or {}).items():
-            merged.setdefault(r, [])
-            merged[r] += [n for n in h if n not in merged[r]]
+        union_holders(merged, got.get("holders") or {})
     return merged
 
 

@@ -36,10 +36,9 @@ between them: :meth:`Replicator._budget`), and
 Each etcd write is CPU taken from training on the host that makes it (etcd logs and fsyncs
 every write).
 
-A commit record is JSON ``{"step", "attempt", "world", "k", "holders":
-{"<rank>": [nodes]}, "epoch"}``: what restore needs to find every shard, and the
-run's epoch it was made in (:mod:`.epoch`: a record a rollback abandoned is
-refused even when put back). It is written once (create-only, fenced by the
+A commit record (:class:`~resilient.snapshot.commits.CommitRecord`) says what restore needs
+to find every shard, and the run's epoch it was made in (:mod:`.epoch`: a record a rollback
+abandoned is refused even when put back). It is written once (create-only, fenced by the
 epoch) so concurrent agents never disagree about a version.
 Holds and commit records carry a MAC under the job secret bound to their key
 (:mod:`resilient.secret`); one that fails is reported (``auth_failure``) and
@@ -81,7 +80,8 @@ from resilient.snapshot.format import object_crcs, rank_manifest_boxes, version_
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError
 from resilient.snapshot.leadcommit import LeaderCommit, group_of, leader_key, merge_holds  # noqa: F401 (leader_key: re-exported)
-from resilient.snapshot.commits import commit_key, commit_prefix, holds_prefix, read_commits  # noqa: F401 (re-exported)
+from resilient.snapshot.commits import (  # noqa: F401 (read_commits re-exported)
+    CommitRecord, commit_key, commit_prefix, holds_prefix, read_commits)
 from resilient.snapshot.placement import place, replica_order
 from resilient.snapshot.priority import REPLICATION_NICE, background_priority
 
@@ -468,9 +468,9 @@ class Replicator(LeaderCommit):
                 log.debug("step %d is not committed: a rollback abandoned it", v.step)
                 return
             keys = {commit_key(self.run_id, t, v.step): t for t in due}
-            made = self._fence.create({key: self.secret.seal_record(COMMIT, key, {
-                "step": v.step, "attempt": v.attempt, "world": world, "k": due[t], "holders": merged,
-                "time": time.time(), "epoch": self._fence.epoch.gen}) for key, t in keys.items()})
+            made = self._fence.create({key: self.secret.seal_record(COMMIT, key, CommitRecord(
+                v.step, v.attempt, world, merged, k=due[t], time=time.time(), epoch=self._fence.epoch.gen).to_doc())
+                for key, t in keys.items()})
             if made is not None:
                 break
         else:

@@ -37,7 +37,7 @@ from resilient.contract import STORE_ENV
 from resilient.ledger import Copy
 from resilient.snapshot.api import Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
 from resilient.snapshot.auth import VersionAuth, report as report_auth
-from resilient.snapshot.commits import read_commits_epoch, run_epoch
+from resilient.snapshot.commits import CommitRecord, read_commits_epoch, run_epoch
 from resilient.snapshot.durable import emit, merge_rank_manifests
 from resilient.snapshot.epoch import Epoch, abandon_after
 from resilient.snapshot.format import manifest_from_json, version_dir
@@ -108,43 +108,40 @@ def memory_plan_epoch(info: StoreInfo, limit: int = 4, events: Any = None,
         live = {doc["node"]: doc for doc in read_records(client, f"/resilient/{info.run_id}/nodes/", REGISTRY,
                                                          secret, events, "node registry entry").values()
                 if isinstance(doc.get("node"), str)}
-        records: dict[int, dict] = {}
+        records: dict[int, CommitRecord] = {}
         commits, epoch = read_commits_epoch(client, info.run_id, secret, events, copies)
         for rec in commits:
-            step = rec["step"]
-            have = records.get(step)
-            if have is None or have["attempt"] != rec["attempt"]:
-                if have is None or rec.get("k", 0) >= have.get("k", 0):
-                    records[step] = rec
+            have = records.get(rec.step)
+            if have is None or have.attempt != rec.attempt:
+                if have is None or rec.k >= have.k:
+                    records[rec.step] = rec
                 continue
-            for r, h in rec["holders"].items():  # same version, both tiers: union of holders
-                have["holders"][r] = have["holders"].get(r, []) + [n for n in h if n not in have["holders"].get(r, [])]
+            have.add_holders(rec.holders)  # same version, both tiers: union of holders
     plan = []
     # (step, rank) -> nodes whose adopted tree holds that rank's files of it (incarnation aside):
     # a kept tree vouches for the ranks it holds, not for every rank a commit once gave its node
     kept_by: dict[tuple[int, str], set[str]] = {}
     for step, attempt, world, holders in kept_plans(live):
         rec = records.get(step)
-        if rec is not None and rec["attempt"] != attempt:
+        if rec is not None and rec.attempt != attempt:
             continue  # a commit record names another write of that step: it wins
         if rec is None:
-            rec = records[step] = {"step": step, "attempt": attempt, "world": world, "holders": {}}
-        for r, h in holders.items():   # committed too: its holders, and the kept trees that hold it now
-            rec["holders"][r] = rec["holders"].get(r, []) + [n for n in h if n not in rec["holders"].get(r, [])]
+            rec = records[step] = CommitRecord(step, attempt, world)
+        rec.add_holders(holders)   # committed too: its holders, and the kept trees that hold it now
+        for r, h in holders.items():
             kept_by[(step, r)] = set(h)
     for step in sorted(records, reverse=True):
         rec = records[step]
         # A holder counts if it is alive *and* is the same incarnation: an agent started after
         # the commit (a restarted node, same name) has a fresh, empty store, unless it adopted
         # the tree its dead predecessor left (kept_by).
-        born = float(rec.get("time", float("inf")))
         holders = {r: [n for n in h if n in live and (n in kept_by.get((step, r), ())
-                                                      or float(live[n].get("since", 0)) <= born)]
-                   for r, h in rec["holders"].items()}
-        if len(holders) < rec["world"] or any(not holders.get(str(r)) for r in range(rec["world"])):
+                                                      or float(live[n].get("since", 0)) <= rec.time)]
+                   for r, h in rec.holders.items()}
+        if len(holders) < rec.world or any(not holders.get(str(r)) for r in range(rec.world)):
             continue
         peers = {n: live[n].get("store", "") for h in holders.values() for n in h}
-        plan.append({"step": step, "attempt": rec["attempt"], "world": rec["world"],
+        plan.append({"step": step, "attempt": rec.attempt, "world": rec.world,
                      "holders": holders, "peers": peers})
         if len(plan) >= limit:
             break
