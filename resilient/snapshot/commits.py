@@ -16,7 +16,15 @@ from typing import Any, Iterable, Mapping
 
 from resilient.ledger import Copy
 from resilient.secret import COMMIT, JobSecret, read_records, report_unauthentic
-from resilient.snapshot.epoch import Epoch, rollback_order, epoch_key, epoch_ledger, made_in
+from resilient.snapshot.epoch import Epoch, abandon_after, rollback_order, epoch_key, epoch_ledger, made_in
+
+
+# The two records of a version in node RAM (``/resilient/<run>/commit/<tier>/<step>``). LOCAL:
+# every rank's files are in its own node's RAM (the local tier). REPLICATED: also in ``k`` other
+# nodes' RAM, k as many as ``snapshot.replicas`` asks and the other live nodes allow; that is the
+# peer tier when k > 0 (a node alone writes it with k = 0).
+LOCAL, REPLICATED = "local", "replicated"
+RECORD_TIERS = (LOCAL, REPLICATED)
 
 
 @dataclass
@@ -35,7 +43,7 @@ class CommitRecord:
     @property
     def tier(self) -> str:
         """The tier it commits the version at, as events and ``resilient status`` name it."""
-        return "peer" if self.k > 0 else "local"
+        return "peer" if self.k > 0 else LOCAL
 
     def to_doc(self) -> dict[str, Any]:
         return {"step": self.step, "attempt": self.attempt, "world": self.world, "k": self.k,
@@ -77,6 +85,14 @@ def commit_key(run_id: str, tier: str, step: int) -> str:
 
 def holds_prefix(run_id: str, step: int) -> str:
     return f"/resilient/{run_id}/mem/holds/{step:012d}/"
+
+
+def abandon_commits_after(client, run_id: str, secret: JobSecret | bytes, step: int, copies: Iterable[Copy] = (),
+                          events: Any = None, always: bool = True) -> Epoch | None:
+    """A rollback to ``step``: the run's next epoch, then both tiers' records of later steps
+    deleted (:func:`resilient.snapshot.epoch.abandon_after`). The new epoch, or None."""
+    return abandon_after(client, run_id, secret, step, [commit_prefix(run_id, t) for t in RECORD_TIERS],
+                         copies, events, always)
 
 
 def read_commits(client, run_id: str, secret: JobSecret | bytes, events: Any = None,

@@ -119,13 +119,13 @@ def _range_op(lo: str, hi: str) -> dict:
                                      "range_end": base64.b64encode(hi.encode()).decode()}}
 
 
-def abandon_after(client, run_id: str, secret: JobSecret | bytes, step: int, copies: Iterable[Copy] = (),
-                  events: Any = None, always: bool = True) -> Epoch | None:
+def abandon_after(client, run_id: str, secret: JobSecret | bytes, step: int, prefixes: Iterable[str],
+                  copies: Iterable[Copy] = (), events: Any = None, always: bool = True) -> Epoch | None:
     """A rollback to ``step``: the next epoch (floor ``step``) in every copy of the ledger, then
-    the commit records of later steps deleted. ``always=False``: only when there are such
-    records (a restore that went back past nothing changes nothing). The new epoch, or None."""
-    tiers = ("local", "memory")
-    bounds = [(f"/resilient/{run_id}/commit/{t}/{step + 1:012d}", f"/resilient/{run_id}/commit/{t}/~") for t in tiers]
+    the commit records of later steps deleted (under ``prefixes``: their keys end in the step,
+    12 digits). ``always=False``: only when there are such records (a restore that went back
+    past nothing changes nothing). The new epoch, or None."""
+    bounds = [(f"{prefix}{step + 1:012d}", f"{prefix}~") for prefix in prefixes]
     if not always:
         counts = client.txn([], [{"request_range": {**_range_op(lo, hi)["request_delete_range"], "count_only": True}}
                                  for lo, hi in bounds], [])

@@ -49,7 +49,7 @@ from typing import Any
 
 from resilient.secret import HOLDS
 from resilient.snapshot.api import SnapshotError
-from resilient.snapshot.commits import union_holders
+from resilient.snapshot.commits import RECORD_TIERS, union_holders
 from resilient.snapshot.nodestore import LocalVersion
 from resilient.snapshot.peer import PeerError
 
@@ -233,9 +233,9 @@ class LeaderCommit:
         if not isinstance(shown, dict):
             return
         with self._cond:
-            for tier, key in (("local", "local"), ("memory", "memory")):
-                if isinstance(shown.get(key), int) and shown[key] >= 0:
-                    self.committed[tier] = max(self.committed.get(tier, -1), shown[key])
+            for tier in RECORD_TIERS:
+                if isinstance(shown.get(tier), int) and shown[tier] >= 0:
+                    self.committed[tier] = max(self.committed.get(tier, -1), shown[tier])
             if isinstance(shown.get("peer"), int):
                 self._peer_committed = max(self._peer_committed, shown["peer"])
             now = {"local": self.committed.get("local", -1), "peer": self._peer_committed}
@@ -243,8 +243,7 @@ class LeaderCommit:
 
     def _shown(self) -> dict[str, int]:
         with self._cond:
-            return {"local": self.committed.get("local", -1), "memory": self.committed.get("memory", -1),
-                    "peer": self._peer_committed}
+            return {**{t: self.committed.get(t, -1) for t in RECORD_TIERS}, "peer": self._peer_committed}
 
     def _on_holds(self, doc: dict) -> dict:
         """A peer's holds report (a server thread; the channel authenticated it). Kept for the

@@ -14,7 +14,7 @@ between them: :meth:`Replicator._budget`), and
    stable when a node leaves), rate-limited;
 2. gathers every node's holds ("node N holds ranks R of step S on nodes [N, peers...]")
    and commits the version at tier ``local`` (``/resilient/<run>/commit/local/<S>``) and,
-   when every rank is held on ``1+k`` nodes, at tier ``peer`` (``.../commit/memory/<S>``),
+   when every rank is held on ``1+k`` nodes, at tier ``peer`` (``.../commit/replicated/<S>``),
    both create-only in one transaction; the winner emits ``commit``. How the holds are
    gathered is ``ReplicatorOptions.protocol``:
 
@@ -81,7 +81,7 @@ from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError
 from resilient.snapshot.leadcommit import LeaderCommit, group_of, leader_key, merge_holds  # noqa: F401 (leader_key: re-exported)
 from resilient.snapshot.commits import (  # noqa: F401 (read_commits re-exported)
-    CommitRecord, commit_key, commit_prefix, holds_prefix, read_commits)
+    LOCAL, RECORD_TIERS, REPLICATED, CommitRecord, commit_key, commit_prefix, holds_prefix, read_commits)
 from resilient.snapshot.placement import place, replica_order
 from resilient.snapshot.priority import REPLICATION_NICE, background_priority
 
@@ -338,7 +338,7 @@ class Replicator(LeaderCommit):
                        peers=sorted({n for h in holders.values() for n in h} - {self.node}))
             if sent > 0:
                 self._costs.update(push_bytes=sent, push_us=max(1, round(pushed * 1e6)))
-        tiers = {"local": 0, "memory": k}
+        tiers = {LOCAL: 0, REPLICATED: k}
         if self._server is None or self.opts.protocol == "etcd":
             t0 = time.monotonic()
             self._commit(v, world, self._hold(v, holders, world), tiers, parsed)
@@ -424,12 +424,11 @@ class Replicator(LeaderCommit):
         the merged ``{rank: [nodes]}`` of this version's attempt and world."""
         doc = {"attempt": v.attempt, "world": world, "holders": {str(r): h for r, h in holders.items()}}
         prefix = holds_prefix(self.run_id, v.step)
-        tiers = ("local", "memory")
         kvs, newest = self.client.put_and_get_prefix(
             prefix + self.node, self.secret.seal_record(HOLDS, prefix + self.node, doc), prefix,
-            newest_under=[commit_prefix(self.run_id, t) for t in tiers])
+            newest_under=[commit_prefix(self.run_id, t) for t in RECORD_TIERS])
         with self._cond:  # the newest commits, whoever made them: retention must keep them
-            for tier, kv in zip(tiers, newest):
+            for tier, kv in zip(RECORD_TIERS, newest):
                 if kv is not None and self._authentic(COMMIT, kv, "commit record") is not None:
                     self.committed[tier] = max(self.committed.get(tier, -1), int(kv.key[-12:]))
         docs = [got for got in (self._authentic(HOLDS, kv, "holds record") for kv in kvs) if got is not None]
@@ -454,7 +453,7 @@ class Replicator(LeaderCommit):
             return
         bad = self._untiled(v, world, merged, parsed if parsed is not None else {})
         if bad is not None:
-            tier = "peer" if due.get("memory", 0) > 0 else "local"
+            tier = "peer" if due.get(REPLICATED, 0) > 0 else LOCAL
             self._emit("upload_error", step=v.step, phase="commit", tier=tier, obj=bad.obj,
                        error=f"{type(bad).__name__}: {bad}")
             with self._cond:
@@ -479,13 +478,13 @@ class Replicator(LeaderCommit):
         with self._cond:
             for t in due:
                 self.committed[t] = max(self.committed.get(t, -1), v.step)
-            if due.get("memory", 0) > 0:  # replicated to peers (k = 0: the local copy only)
+            if due.get(REPLICATED, 0) > 0:  # replicated to peers (k = 0: the local copy only)
                 self._peer_committed = max(self._peer_committed, v.step)
             shown = {"local": self.committed.get("local", -1), "peer": self._peer_committed}
         self.store.publish_committed({**self._costs, **{k: s for k, s in shown.items() if s >= 0}})
         for t, k in due.items():
-            if t in won and (t == "local" or k > 0):  # k = 0: the local commit said it all
-                self._emit("commit", step=v.step, tier="local" if t == "local" else "peer", world=world,
+            if t in won and (t == LOCAL or k > 0):  # k = 0: the local commit said it all
+                self._emit("commit", step=v.step, tier=LOCAL if t == LOCAL else "peer", world=world,
                            k=k, url=f"memory://{self.run_id}/{t}/{v.step}", holders=merged)
         if won and v.step % 16 == 0:
             self._forget_before(v.step - 32)
@@ -542,8 +541,7 @@ class Replicator(LeaderCommit):
         if step <= 0:
             return
         ops = []
-        for prefix in (commit_prefix(self.run_id, "local"), commit_prefix(self.run_id, "memory"),
-                       f"/resilient/{self.run_id}/mem/holds/"):
+        for prefix in (*(commit_prefix(self.run_id, t) for t in RECORD_TIERS), f"/resilient/{self.run_id}/mem/holds/"):
             lo, hi = f"{prefix}{0:012d}", f"{prefix}{step:012d}"
             ops.append({"request_delete_range": {"key": base64.b64encode(lo.encode()).decode(),
                                                  "range_end": base64.b64encode(hi.encode()).decode()}})

@@ -37,9 +37,9 @@ from resilient.contract import STORE_ENV
 from resilient.ledger import Copy
 from resilient.snapshot.api import Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
 from resilient.snapshot.auth import VersionAuth, report as report_auth
-from resilient.snapshot.commits import CommitRecord, read_commits_epoch, run_epoch
+from resilient.snapshot.commits import CommitRecord, abandon_commits_after, read_commits_epoch, run_epoch
 from resilient.snapshot.durable import emit, merge_rank_manifests
-from resilient.snapshot.epoch import Epoch, abandon_after
+from resilient.snapshot.epoch import Epoch
 from resilient.snapshot.format import manifest_from_json, version_dir
 from resilient.snapshot.nodestore import NodeStore, rank_of
 from resilient.snapshot.peer import PeerClient, PeerError
@@ -171,11 +171,11 @@ def forget_after(info: StoreInfo, step: int, copies: Iterable[Copy] = (), always
                  events: Any = None) -> Epoch | None:
     """Rank 0, after restoring ``step``: drop commit records of later steps (a rollback), so
     a version of the abandoned future is never restored later, even if put back: the run's
-    epoch goes up first, in etcd and in ``copies`` (:func:`~resilient.snapshot.epoch.abandon_after`).
+    epoch goes up first, in etcd and in ``copies`` (:func:`~resilient.snapshot.commits.abandon_commits_after`).
     ``always=False``: only when there are later records (a restore that went back past nothing).
     The new epoch, or None when nothing changed."""
     with info.client() as client:
-        return abandon_after(client, info.run_id, info.secret(), step, copies, events, always=always)
+        return abandon_commits_after(client, info.run_id, info.secret(), step, copies, events, always=always)
 
 
 def broadcast_json(value: Any) -> Any:

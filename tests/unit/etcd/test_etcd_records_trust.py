@@ -69,10 +69,10 @@ def test_forged_commit_records_never_select_a_version(etcd, client, events, tmp_
                                                            "since": 0}))
     record = {"step": 5, "attempt": "x-000001", "world": 2, "k": 1, "holders": {"0": ["a", "b"], "1": ["b", "a"]},
               "time": 1.0}
-    client.put(commit_key(run_id, "memory", 5), SECRET.seal_record(COMMIT, commit_key(run_id, "memory", 5), record))
+    client.put(commit_key(run_id, "replicated", 5), SECRET.seal_record(COMMIT, commit_key(run_id, "replicated", 5), record))
     forged_keys = []
-    for i, forge in enumerate(_forgeries(SECRET, COMMIT, {**record, "step": 9}, commit_key(run_id, "memory", 5))):
-        forged_keys.append(commit_key(run_id, "memory", 9 + i))
+    for i, forge in enumerate(_forgeries(SECRET, COMMIT, {**record, "step": 9}, commit_key(run_id, "replicated", 5))):
+        forged_keys.append(commit_key(run_id, "replicated", 9 + i))
         client.put(forged_keys[-1], forge(forged_keys[-1]))
     # a forged registry entry cannot make a holder live either
     ghost = registry_prefix(run_id) + "ghost"
@@ -98,7 +98,7 @@ def test_forged_holds_never_count_as_copies(client, events, tmp_path):
             client.put(prefix + f"x{i}", forge(prefix + f"x{i}"))
         merged = rep._hold(v, {0: ["a"]}, world=2)
         assert merged == {"0": ["a"]}
-        rep._commit(v, 2, merged, {"local": 0, "memory": 0})
+        rep._commit(v, 2, merged, {"local": 0, "replicated": 0})
         assert client.get(commit_key(run_id, "local", 3)) is None  # rank 1 is held nowhere
         assert len(auth_failures(events)) == 5
         # the genuine record this node wrote authenticates

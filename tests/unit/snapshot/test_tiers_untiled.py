@@ -92,7 +92,7 @@ def test_a_version_whose_ranks_overlap_is_not_committed(client, tmp_path):
         run_versions({"a": store}, {"a": {0, 1}}, {"a": rep})
         assert client.get(commit_key(run_id, "local", HEALTHY)) is not None
         assert client.get(commit_key(run_id, "local", OVERLAPPING)) is None
-        assert client.get(commit_key(run_id, "memory", OVERLAPPING)) is None
+        assert client.get(commit_key(run_id, "replicated", OVERLAPPING)) is None
         assert client.get(commit_key(run_id, "local", HEALTHY_AGAIN)) is not None
         (err,) = commit_errors(log)
         assert err["step"] == OVERLAPPING and err["tier"] == "local"
@@ -131,7 +131,7 @@ def test_ranks_on_two_nodes_that_overlap_are_not_committed(client, tmp_path, k):
             logs[n] = EventLog(tmp_path / f"events-{n}.jsonl", node=n)
             reps[n] = Replicator(store, client, run_id, n, SECRET, lambda: registry, ReplicatorOptions(k=k), logs[n])
         run_versions(stores, {"a": {0}, "b": {1}}, reps)
-        for tier in ("local", "memory"):
+        for tier in ("local", "replicated"):
             assert client.get(commit_key(run_id, tier, HEALTHY)) is not None
             assert client.get(commit_key(run_id, tier, OVERLAPPING)) is None
             assert client.get(commit_key(run_id, tier, HEALTHY_AGAIN)) is not None
