@@ -279,7 +279,8 @@ def stragglers_found(timeline: list[dict], within_steps: int, node_id: Callable[
             other = [f"{v.get('cause')} rank {v.get('slow_rank')} node {v.get('slow_node')}" for v in verdicts[:3]]
             # Suspicions the probe did not confirm say why nothing was named (the probe's
             # compute seconds per rank against the factor it needed).
-            probes = [f"step {p.get('step')} rank {p.get('slow_rank')} probe {p.get('probe_compute_seconds')}"
+            probes = [f"step {p.get('step')} rank {p.get('slow_rank')} probe "
+                      f"{(p.get('evidence') or {}).get('probe_compute_seconds')}"
                       for p in timeline if p.get("event") == "failslow_probe" and p["time"] >= t0][:3]
             bad.append(f"{f.get('fault_id')} ({kind} {target}): no straggler event named it as {want} "
                        f"in {len(steps)} step(s)" + (f" (got: {'; '.join(other)})" if other else "")
