@@ -52,7 +52,7 @@ from scale_node import fleet_main  # noqa: E402
 from resilient.etcd.client import EtcdClient  # noqa: E402
 from resilient_chaos.etcd_testing import unique_run_id  # noqa: E402
 from resilient.observe.plots import pyplot  # noqa: E402
-from resilient.snapshot.memcommit import commit_key  # noqa: E402
+from resilient.snapshot.commits import REPLICATED, commit_key  # noqa: E402
 
 
 class Fleet:
@@ -282,7 +282,7 @@ def _versions(fleet: Fleet, client: EtcdClient, meter: Meter, run_id: str, args,
         t0 = time.monotonic()
         fleet.all("version", step)
         deadline = t0 + args.commit_timeout
-        while client.get(commit_key(run_id, "memory", step)) is None:
+        while client.get(commit_key(run_id, REPLICATED, step)) is None:
             own += 1
             if time.monotonic() > deadline:
                 return None

@@ -76,6 +76,10 @@ def union_holders(into: dict[str, list[str]], more: Mapping[str, list[str]]) -> 
 
 
 def commit_prefix(run_id: str, tier: str) -> str:
+    """Where ``tier``'s records (one of :data:`RECORD_TIERS`) of a run lie; another name is a
+    ValueError (a misspelt tier would read nothing and write where no one looks)."""
+    if tier not in RECORD_TIERS:
+        raise ValueError(f"commit records have the tiers {RECORD_TIERS}, not {tier!r}")
     return f"/resilient/{run_id}/commit/{tier}/"
 
 

@@ -42,6 +42,7 @@ from resilient.control.plane import client_kwargs
 from resilient.etcd.server import EmbeddedEtcd, ROOT_USER, embedded_etcd_conf
 from resilient.launch import default_run_id, etcd_endpoint
 from resilient.secret import SECRET_ENV, SECRET_FILE_ENV, JobSecret, JobSecretError
+from resilient.snapshot.commits import LOCAL
 from resilient.snapshot.memcommit import commit_key
 from resilient.snapshot.nodestore import reclaim
 
@@ -198,7 +199,7 @@ def test_an_attacker_without_the_secret_cannot_touch_a_running_jobs_etcd(tmp_pat
         env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_")}
         attacker = subprocess.run(
             [sys.executable, "-c", ATTACKER, peek_owner(run).endpoint, default_run_id(run),
-             commit_key(default_run_id(run), "local", 10**6), str(gadget)], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+             commit_key(default_run_id(run), LOCAL, 10**6), str(gadget)], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True,
             timeout=60)
         assert attacker.returncode == 0, attacker.stderr[-3000:]
         got = json.loads(attacker.stdout)

@@ -15,6 +15,7 @@ from resilient.commands.quarantine import main as quarantine_cli
 from resilient_chaos.etcd_testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.secret import COMMIT, HOLDS, QUARANTINE, REGISTRY, JobSecret, JobSecretError
+from resilient.snapshot.commits import LOCAL, REPLICATED
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions, commit_key, holds_prefix
 from resilient.snapshot.nodestore import LocalVersion, NodeStore
 from resilient.snapshot.tiers import StoreInfo, memory_plan
@@ -69,10 +70,10 @@ def test_forged_commit_records_never_select_a_version(etcd, client, events, tmp_
                                                            "since": 0}))
     record = {"step": 5, "attempt": "x-000001", "world": 2, "k": 1, "holders": {"0": ["a", "b"], "1": ["b", "a"]},
               "time": 1.0}
-    client.put(commit_key(run_id, "replicated", 5), SECRET.seal_record(COMMIT, commit_key(run_id, "replicated", 5), record))
+    client.put(commit_key(run_id, REPLICATED, 5), SECRET.seal_record(COMMIT, commit_key(run_id, REPLICATED, 5), record))
     forged_keys = []
-    for i, forge in enumerate(_forgeries(SECRET, COMMIT, {**record, "step": 9}, commit_key(run_id, "replicated", 5))):
-        forged_keys.append(commit_key(run_id, "replicated", 9 + i))
+    for i, forge in enumerate(_forgeries(SECRET, COMMIT, {**record, "step": 9}, commit_key(run_id, REPLICATED, 5))):
+        forged_keys.append(commit_key(run_id, REPLICATED, 9 + i))
         client.put(forged_keys[-1], forge(forged_keys[-1]))
     # a forged registry entry cannot make a holder live either
     ghost = registry_prefix(run_id) + "ghost"
@@ -98,8 +99,8 @@ def test_forged_holds_never_count_as_copies(client, events, tmp_path):
             client.put(prefix + f"x{i}", forge(prefix + f"x{i}"))
         merged = rep._hold(v, {0: ["a"]}, world=2)
         assert merged == {"0": ["a"]}
-        rep._commit(v, 2, merged, {"local": 0, "replicated": 0})
-        assert client.get(commit_key(run_id, "local", 3)) is None  # rank 1 is held nowhere
+        rep._commit(v, 2, merged, {LOCAL: 0, REPLICATED: 0})
+        assert client.get(commit_key(run_id, LOCAL, 3)) is None  # rank 1 is held nowhere
         assert len(auth_failures(events)) == 5
         # the genuine record this node wrote authenticates
         assert SECRET.open_record(HOLDS, prefix + "a", client.get(prefix + "a").value)["holders"] == {"0": ["a"]}

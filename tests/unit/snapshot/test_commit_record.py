@@ -48,3 +48,16 @@ def test_holders_are_united_each_node_once_in_the_order_first_seen():
     into = {"0": ["a"], "1": ["b"]}
     union_holders(into, {"0": ["c", "a"], "2": ["d"]})
     assert into == {"0": ["a", "c"], "1": ["b"], "2": ["d"]}
+
+
+def test_a_tier_outside_the_two_records_is_refused():
+    """A misspelt tier would read nothing and write where nobody looks (bench/scale.py still
+    polled the records' old name, 'memory', and waited out its timeout)."""
+    import pytest
+
+    from resilient.snapshot.commits import LOCAL, REPLICATED, commit_key
+
+    assert commit_key("run", LOCAL, 7) == "/resilient/run/commit/local/000000000007"
+    assert commit_key("run", REPLICATED, 7) == "/resilient/run/commit/replicated/000000000007"
+    with pytest.raises(ValueError, match="not 'memory'"):
+        commit_key("run", "memory", 7)

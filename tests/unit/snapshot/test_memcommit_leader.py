@@ -16,6 +16,7 @@ import pytest
 from resilient_chaos.etcd_testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.secret import COMMIT, HOLDS, JobSecret
+from resilient.snapshot.commits import REPLICATED
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions, commit_key, leader_key
 from resilient.snapshot.nodestore import Doorbell, NodeStore
 from resilient.snapshot.peer import PIECE, PeerServer
@@ -85,7 +86,7 @@ class Fleet:
         return [e for e in read_events(self.logs[n].path) if e["event"] == "upload_error" and e["phase"] == "commit"]
 
     def commit(self, step: int) -> bool:
-        return self.client.get(commit_key(self.run_id, "replicated", step)) is not None
+        return self.client.get(commit_key(self.run_id, REPLICATED, step)) is not None
 
     def commits(self, n: str) -> list[int]:
         """The steps node ``n`` committed at the peer tier so far (its events: the replicator
@@ -128,7 +129,7 @@ def test_one_commit_txn_per_version_and_no_holds_in_etcd(fleet, client):
                              client.get(leader_key(f.run_id, "t0-000001")).value)
     assert rec["node"] == "a"
     # the others learned the commits from the leader's replies (one version behind)
-    assert f.reps["b"].committed["replicated"] >= 3 and f.reps["c"].committed["replicated"] >= 3
+    assert f.reps["b"].committed[REPLICATED] >= 3 and f.reps["c"].committed[REPLICATED] >= 3
 
 
 def test_a_node_that_never_reports_leaves_the_version_uncommitted(fleet):
@@ -212,8 +213,8 @@ def test_two_leaders_racing_for_one_attempt_one_leads_one_commit(fleet, client):
     leader = next(n for n, w in won.items() if w)
     f.version(1, "t0-000001", ranks, 2)
     assert f.commit(1)
-    rec = SECRET.open_record(COMMIT, commit_key(f.run_id, "replicated", 1),
-                             client.get(commit_key(f.run_id, "replicated", 1)).value)
+    rec = SECRET.open_record(COMMIT, commit_key(f.run_id, REPLICATED, 1),
+                             client.get(commit_key(f.run_id, REPLICATED, 1)).value)
     # The leader commits once every rank is held: rank 0 by itself (and its replica), with or
     # without the other rank-0 holder's report, which may come after.
     assert leader in rec["holders"]["0"] and rec["holders"]["1"][0] == "c"

@@ -23,6 +23,7 @@ from resilient.secret import JobSecret
 from resilient.snapshot.auth import VersionAuth
 from resilient.snapshot.api import ChunkRecord, Manifest, SnapshotCorrupt, TensorRecord
 from resilient.snapshot.format import checksum, crc, manifest_to_json, version_dir
+from resilient.snapshot.commits import LOCAL, RECORD_TIERS, REPLICATED
 from resilient.snapshot.memcommit import Replicator, ReplicatorOptions, commit_key
 from resilient.snapshot.nodestore import NodeStore
 from resilient.snapshot.peer import PeerServer
@@ -90,10 +91,10 @@ def test_a_version_whose_ranks_overlap_is_not_committed(client, tmp_path):
     rep = Replicator(store, client, run_id, "a", SECRET, lambda: {}, ReplicatorOptions(), log)
     try:
         run_versions({"a": store}, {"a": {0, 1}}, {"a": rep})
-        assert client.get(commit_key(run_id, "local", HEALTHY)) is not None
-        assert client.get(commit_key(run_id, "local", OVERLAPPING)) is None
-        assert client.get(commit_key(run_id, "replicated", OVERLAPPING)) is None
-        assert client.get(commit_key(run_id, "local", HEALTHY_AGAIN)) is not None
+        assert client.get(commit_key(run_id, LOCAL, HEALTHY)) is not None
+        assert client.get(commit_key(run_id, LOCAL, OVERLAPPING)) is None
+        assert client.get(commit_key(run_id, REPLICATED, OVERLAPPING)) is None
+        assert client.get(commit_key(run_id, LOCAL, HEALTHY_AGAIN)) is not None
         (err,) = commit_errors(log)
         assert err["step"] == OVERLAPPING and err["tier"] == "local"
         assert "overlap" in err["error"] and "'w'" in err["error"]
@@ -131,7 +132,7 @@ def test_ranks_on_two_nodes_that_overlap_are_not_committed(client, tmp_path, k):
             logs[n] = EventLog(tmp_path / f"events-{n}.jsonl", node=n)
             reps[n] = Replicator(store, client, run_id, n, SECRET, lambda: registry, ReplicatorOptions(k=k), logs[n])
         run_versions(stores, {"a": {0}, "b": {1}}, reps)
-        for tier in ("local", "replicated"):
+        for tier in RECORD_TIERS:
             assert client.get(commit_key(run_id, tier, HEALTHY)) is not None
             assert client.get(commit_key(run_id, tier, OVERLAPPING)) is None
             assert client.get(commit_key(run_id, tier, HEALTHY_AGAIN)) is not None
@@ -168,7 +169,7 @@ def test_what_the_snapshotter_writes_commits(client, tmp_path):
                 snap.save(step, state)
                 assert snap.wait()
                 assert rep.flush(timedelta(seconds=20))
-                assert client.get(commit_key(run_id, "local", step)) is not None, commit_errors(log)
+                assert client.get(commit_key(run_id, LOCAL, step)) is not None, commit_errors(log)
         assert commit_errors(log) == []
     finally:
         rep.close()

@@ -29,7 +29,7 @@ from resilient.ledger import run_copies
 from resilient.secret import COMMIT, REGISTRY
 from resilient.snapshot import Snapshotter
 from resilient.snapshot.auth import SnapshotAbandoned, admit
-from resilient.snapshot.commits import abandon_commits_after, read_run_epoch
+from resilient.snapshot.commits import REPLICATED, abandon_commits_after, read_run_epoch
 from resilient.snapshot.epoch import Epoch, epoch_key, epoch_ledger
 from resilient.snapshot.format import version_dir
 from resilient.snapshot.memcommit import commit_key
@@ -126,7 +126,7 @@ def test_a_kept_node_store_does_not_resurrect_an_abandoned_version(etcd, tmp_pat
                 client.put(k, secret.seal_record(REGISTRY, k, {
                     "node": node, "store": f"127.0.0.1:{ord(node)}", "since": time.time(),
                     "kept": [{"step": 10, "attempt": "x-000001", "world": 2, "ranks": [rank]}]}))
-            ck = commit_key(run_id, "replicated", 10)
+            ck = commit_key(run_id, REPLICATED, 10)
             client.put(ck, secret.seal_record(COMMIT, ck, {
                 "step": 10, "attempt": "x-000001", "world": 2, "k": 1, "holders": {"0": ["b", "c"], "1": ["c", "b"]},
                 "time": time.time() - 60, "epoch": 1}))

@@ -24,7 +24,7 @@ from resilient_chaos.etcd_testing import unique_run_id
 from resilient.events import EventLog, read_events
 from resilient.ledger import run_copies
 from resilient.secret import COMMIT, REGISTRY
-from resilient.snapshot.commits import abandon_commits_after
+from resilient.snapshot.commits import REPLICATED, abandon_commits_after
 from resilient.snapshot.epoch import EpochFence, epoch_key
 from resilient.snapshot.memcommit import commit_key
 from resilient.snapshot.tiers import StoreInfo, memory_plan
@@ -111,7 +111,7 @@ def test_a_commit_record_deleted_at_a_rollback_and_written_back_is_not_restored(
     committer = EpochFence(client, run_id, secret)   # what the replicator seals and fences its commits with
 
     def commit(step: int) -> None:
-        key = commit_key(run_id, "replicated", step)
+        key = commit_key(run_id, REPLICATED, step)
         assert committer.create({key: secret.seal_record(COMMIT, key, {
             "step": step, "attempt": "x-000001", "world": 2, "k": 1, "holders": {"0": ["a", "b"], "1": ["b", "a"]},
             "time": time.time(), "epoch": committer.epoch.gen})}) == {key}
@@ -120,21 +120,21 @@ def test_a_commit_record_deleted_at_a_rollback_and_written_back_is_not_restored(
         commit(step)
     copies = run_copies(run)
     assert [p["step"] for p in memory_plan(info, events=log, copies=copies)] == [6, 4]
-    abandoned, epoch_before = hands.save(commit_key(run_id, "replicated", 6)), hands.save(epoch_key(run_id))
+    abandoned, epoch_before = hands.save(commit_key(run_id, REPLICATED, 6)), hands.save(epoch_key(run_id))
     assert epoch_before is None   # no rollback yet
 
     # a rollback to step 4 (as rank 0 makes it: resilient.snapshot.tiers.forget_after)
     landed = time.time()
     assert abandon_commits_after(client, run_id, secret, 4, copies, log).gen == 1
     assert [p["step"] for p in memory_plan(info, events=log, copies=copies)] == [4]
-    hands.put_back(commit_key(run_id, "replicated", 6), abandoned)
+    hands.put_back(commit_key(run_id, REPLICATED, 6), abandoned)
     assert [p["step"] for p in memory_plan(info, events=log, copies=copies)] == [4]
     reports = [e for e in read_events(log.path) if e["event"] == "auth_failure"]
-    assert {(e["what"], e["key"]) for e in reports} == {("abandoned commit record", commit_key(run_id, "replicated", 6))}
+    assert {(e["what"], e["key"]) for e in reports} == {("abandoned commit record", commit_key(run_id, REPLICATED, 6))}
 
     # the committer that knew epoch 0 is fenced off: its commit of a version that landed before
     # the rollback fails, it learns epoch 1 and drops that version; a later one commits in epoch 1
-    key = commit_key(run_id, "replicated", 5)
+    key = commit_key(run_id, REPLICATED, 5)
     stale = secret.seal_record(COMMIT, key, {"step": 5, "attempt": "x-000001", "world": 2, "k": 1,
                                              "holders": {"0": ["a"], "1": ["b"]}, "time": 1.0, "epoch": 0})
     assert committer.epoch.gen == 0 and committer.create({key: stale}) is None
