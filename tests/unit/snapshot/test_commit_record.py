@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from resilient.snapshot.commits import CommitRecord, union_holders
+from resilient.snapshot.commits import LOCAL, REPLICATED, CommitRecord, commit_key, union_holders
 
 nodes = st.lists(st.text(min_size=1, max_size=8), max_size=4, unique=True)
 records = st.builds(
@@ -53,10 +54,6 @@ def test_holders_are_united_each_node_once_in_the_order_first_seen():
 def test_a_tier_outside_the_two_records_is_refused():
     """A misspelt tier would read nothing and write where nobody looks (bench/scale.py still
     polled the records' old name, 'memory', and waited out its timeout)."""
-    import pytest
-
-    from resilient.snapshot.commits import LOCAL, REPLICATED, commit_key
-
     assert commit_key("run", LOCAL, 7) == "/resilient/run/commit/local/000000000007"
     assert commit_key("run", REPLICATED, 7) == "/resilient/run/commit/replicated/000000000007"
     with pytest.raises(ValueError, match="not 'memory'"):
