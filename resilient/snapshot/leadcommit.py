@@ -238,8 +238,7 @@ class LeaderCommit:
                     self.committed[tier] = max(self.committed.get(tier, -1), shown[tier])
             if isinstance(shown.get("peer"), int):
                 self._peer_committed = max(self._peer_committed, shown["peer"])
-            now = {"local": self.committed.get("local", -1), "peer": self._peer_committed}
-        self.store.publish_committed({**self._costs, **{k: s for k, s in now.items() if s >= 0}})
+        self._publish_committed()
 
     def _shown(self) -> dict[str, int]:
         with self._cond:

@@ -480,8 +480,7 @@ class Replicator(LeaderCommit):
                 self.committed[t] = max(self.committed.get(t, -1), v.step)
             if due.get(REPLICATED, 0) > 0:  # replicated to peers (k = 0: the local copy only)
                 self._peer_committed = max(self._peer_committed, v.step)
-            shown = {"local": self.committed.get("local", -1), "peer": self._peer_committed}
-        self.store.publish_committed({**self._costs, **{k: s for k, s in shown.items() if s >= 0}})
+        self._publish_committed()
         for t, k in due.items():
             if t in won and (t == LOCAL or k > 0):  # k = 0: the local commit said it all
                 self._emit("commit", step=v.step, tier=LOCAL if t == LOCAL else "peer", world=world,
@@ -601,6 +600,13 @@ class Replicator(LeaderCommit):
         self._bell.close()
         for peer in list(self._clients):
             self._drop_client(peer)
+
+    def _publish_committed(self) -> None:
+        """Tell this node's workers the newest commit per tier they restore from (local, peer)
+        and what the newest version cost (the store's committed file); call without ``_cond``."""
+        with self._cond:
+            newest = {LOCAL: self.committed.get(LOCAL, -1), "peer": self._peer_committed}
+        self.store.publish_committed({**self._costs, **{k: s for k, s in newest.items() if s >= 0}})
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.events is not None:
