@@ -7,9 +7,13 @@ grows, as it would behind a slow link. When the detector suspects a link, every
 rank runs this probe together (rank 0's suspicion, announced at a step
 boundary, is acted on by every rank there), once per suspicion, off the hot path:
 
-1. **compute**: the same small matrix product, ``COMPUTE_REPS`` times, timed
-   (minus the run-queue delay: a shared host's CPU contention is not the rank's
-   own slowness). Long enough to span several periods of a duty-cycled stall.
+1. **compute**: the same small matrix product, ``COMPUTE_REPS`` times in
+   ``COMPUTE_ROUNDS`` rounds, each timed (minus the run-queue delay: a shared
+   host's CPU contention is not the rank's own slowness); the fastest round
+   counts. On CPU the ranks of one machine take their rounds in turns (ranks
+   side by side on shared cores time each other). Each round spans several
+   periods of a duty-cycled stall, so a slow process is slow in all of them;
+   another job's burst slows some rounds, not all.
 2. **edges**: each ring edge (ranks ``r`` and ``r + 1``) timed on its own, as a
    round trip: one ``PAYLOAD``-byte message each way, ``EDGE_REPS`` times, timed
    by the pair's first rank, in two or three phases of disjoint pairs. A lossy
@@ -30,6 +34,7 @@ most.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from statistics import median
@@ -37,7 +42,8 @@ from typing import Any, Sequence
 
 from resilient.failslow.timing import open_run_delay, run_delay
 
-COMPUTE_REPS = 160    # ~40 ms on one CPU core: spans a few periods of a duty-cycled stall
+COMPUTE_REPS = 160    # ~40 ms on one CPU core in all
+COMPUTE_ROUNDS = 4    # ~10 ms each: one round slowed by a neighbour's burst does not count
 MATRIX = 256
 PAYLOAD = 1 << 18
 EDGE_REPS = 10      # a lossy link stalls some messages, not all: more of them, fewer misses
@@ -45,33 +51,63 @@ SLOW_COMPUTE = 1.3    # a rank's probe compute this much slower than the median:
 SLOW_EDGE = 10.0      # an edge this much slower than the median edge: slow (a lossy link: 100x; noise on a loaded host: up to ~5x)
 
 
+class _ComputeRounds:
+    """Times rounds of the probe's compute on one thread of ``device``: each round
+    ``COMPUTE_REPS // COMPUTE_ROUNDS`` small matrix products, minus the thread's run-queue
+    delay over it (a shared host's CPU contention is not the device's own slowness). On CPU
+    the rounds go round the cores the thread may run on, one core each: the cores of a shared
+    host are not alike (this VM's two, both busy: 70 ms on one, 90 ms on the other for the
+    same round, steadily, and a process stays on its core), and the fastest round is the
+    rank's pace on its best core, not the core it happened to sit on."""
+
+    def __init__(self, device: Any = None):
+        import torch
+
+        self.device = torch.device(device or "cpu")
+        self._sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+        self._a = torch.randn(MATRIX, MATRIX, generator=torch.Generator().manual_seed(0)).to(self.device)
+        pin = self.device.type == "cpu" and hasattr(os, "sched_setaffinity")
+        self._cores = sorted(os.sched_getaffinity(0)) if pin else []
+        self._rounds = 0
+
+    def __enter__(self) -> "_ComputeRounds":
+        import torch
+
+        self._fd = open_run_delay()
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)   # one thread: the same work on every rank, its run-queue delay all seen
+        self._a @ self._a   # warm the kernel
+        self._sync(self.device)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        if len(self._cores) > 1:
+            os.sched_setaffinity(0, self._cores)
+        torch.set_num_threads(self._threads)
+        if self._fd is not None:
+            os.close(self._fd)
+
+    def round(self) -> float:
+        if len(self._cores) > 1:   # this thread only (Linux): the process's other threads keep theirs
+            os.sched_setaffinity(0, {self._cores[self._rounds % len(self._cores)]})
+        self._rounds += 1
+        t0, q0 = time.perf_counter(), run_delay(self._fd)
+        for _ in range(COMPUTE_REPS // COMPUTE_ROUNDS):
+            self._a = (self._a @ self._a).clamp_(-1, 1)
+        self._sync(self.device)
+        return max(0.0, time.perf_counter() - t0 - (run_delay(self._fd) - q0))
+
+
 def compute_seconds(device: Any = None) -> float:
     """The probe's compute alone, on this process: seconds of ``COMPUTE_REPS`` small matrix
-    products on one thread of ``device``, minus this thread's run-queue delay (a shared
-    host's CPU contention is not the device's own slowness). Also what a node marked slow
-    runs before it may rejoin (:mod:`~resilient.failslow.replace`)."""
-    import os
-
-    import torch
-
-    device = torch.device(device or "cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
-    a = torch.randn(MATRIX, MATRIX, generator=torch.Generator().manual_seed(0)).to(device)
-    fd = open_run_delay()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # one thread: the same work on every rank, its run-queue delay all seen
-    try:
-        a @ a   # warm the kernel
-        sync(device)
-        t0, q0 = time.perf_counter(), run_delay(fd)
-        for _ in range(COMPUTE_REPS):
-            a = (a @ a).clamp_(-1, 1)
-        sync(device)
-        return max(0.0, time.perf_counter() - t0 - (run_delay(fd) - q0))
-    finally:
-        torch.set_num_threads(threads)
-        if fd is not None:
-            os.close(fd)
+    products on one thread of ``device``, at the pace of the fastest of ``COMPUTE_ROUNDS``
+    rounds (:class:`_ComputeRounds`). What a node marked slow runs before it may rejoin
+    (:mod:`~resilient.failslow.replace`); the probe times the same rounds in turns
+    (:func:`_compute_in_turns`)."""
+    with _ComputeRounds(device) as timer:
+        return COMPUTE_ROUNDS * min(timer.round() for _ in range(COMPUTE_ROUNDS))
 
 
 def ring_phases(world: int) -> list[list[int]]:
@@ -113,15 +149,62 @@ def _round_trip_seconds(group: Any, peer: int, lead: bool) -> float:
     return sum(times) / len(times) if lead else 0.0
 
 
+def machine_id() -> int:
+    """This kernel's boot id (shared by every container and agent on one machine, so by every
+    process that shares its cores), hashed to a signed 64-bit int; the hostname where there is
+    none."""
+    import hashlib
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key = f.read().strip()
+    except OSError:
+        key = socket.gethostname()
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big", signed=True)
+
+
+def _compute_in_turns(group: Any, rank: int, world: int, device: Any) -> float:
+    """Collective: this rank's compute seconds (as :func:`compute_seconds`), its
+    ``COMPUTE_ROUNDS`` rounds timed in turns. On a GPU every rank times its own device at
+    once; on CPU the ranks on one machine take turns, one round each per pass, every machine
+    at once. The fastest round counts. Why both, measured on this 2-core host: ranks computing
+    side by side on shared cores time each other (two processes at once: one 66 ms, the other
+    85 ms for the same work, steadily, 64-67 ms alone: 1.3x, the probe's own threshold, and a
+    CI run judged a clean probe a slow device at 1.34x); and one rank's turn can meet another
+    job's burst (a clean probe timed one at a time came out 101, 89 and 67 ms), which its other
+    rounds, spread over the passes, do not. A process stopped in 10 ms periods (a duty-cycled
+    stall, the chaos harness's slow device) is slow in every round. Costs ranks-per-machine
+    times ~40 ms on CPU."""
+    import torch
+    import torch.distributed as dist
+
+    ids = torch.zeros(world, dtype=torch.int64)
+    # on a GPU each rank has its own device: every rank its own "machine", no turns
+    ids[rank] = machine_id() if torch.device(device or "cpu").type == "cpu" else rank
+    dist.all_reduce(ids, group=group)   # each rank fills its own slot: a gather
+    ids_list = ids.tolist()
+    mine = [r for r in range(world) if ids_list[r] == ids_list[rank]].index(rank)
+    turns = max(ids_list.count(v) for v in set(ids_list))
+    rounds = []
+    with _ComputeRounds(device) as timer:
+        for _ in range(COMPUTE_ROUNDS):
+            for turn in range(turns):
+                if turns > 1:
+                    dist.barrier(group=group)
+                if turn == mine:
+                    rounds.append(timer.round())
+    return COMPUTE_ROUNDS * min(rounds)
+
+
 def run_probe(group: Any, rank: int, world: int, device: Any = None) -> tuple[list[float], list[float]]:
     """Collective over ``group``: (compute seconds per rank on ``device``, round-trip
     seconds of each ring edge: ``edges[r]`` between ranks ``r`` and ``r + 1``)."""
     import torch
     import torch.distributed as dist
 
-    compute = compute_seconds(device)
     mine = torch.zeros(2 * world, dtype=torch.float64)
-    mine[rank] = compute
+    mine[rank] = _compute_in_turns(group, rank, world, device)
     for phase in ring_phases(world):
         dist.barrier(group=group)
         for edge in phase:

@@ -479,6 +479,32 @@ def test_the_probe_names_a_slow_compute_a_host_or_the_link_they_share():
     assert judge([0.04] * 2, [0.3, 0.3], ["a", "b"])["slow_rank"] is None
 
 
+def test_the_probe_compute_goes_round_the_cores_and_leaves_the_thread_as_it_was(monkeypatch):
+    """probe._ComputeRounds: on CPU each round runs on one core, round after round on the next
+    (a shared host's cores are not alike; the fastest round counts), and the thread's cores and
+    torch's thread count are what they were after it."""
+    import os
+
+    import torch
+
+    from resilient.failslow import probe
+
+    cores = sorted(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    pinned = []
+    real = os.sched_setaffinity
+    monkeypatch.setattr(probe.os, "sched_setaffinity", lambda pid, cpus: (pinned.append(set(cpus)), real(pid, cpus)))
+    seconds = probe.compute_seconds()
+    assert seconds > 0
+    rounds = pinned[:probe.COMPUTE_ROUNDS]
+    if len(cores) > 1:
+        assert rounds == [{cores[i % len(cores)]} for i in range(probe.COMPUTE_ROUNDS)], rounds
+        assert pinned[-1] == set(cores)
+    else:
+        assert pinned == []
+    assert sorted(os.sched_getaffinity(0)) == cores and torch.get_num_threads() == threads
+
+
 def test_the_ring_is_timed_in_phases_of_disjoint_pairs():
     from resilient.failslow.probe import ring_phases
 
