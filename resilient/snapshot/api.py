@@ -9,16 +9,20 @@ errors, each of which says what to do about it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resilient.errors import ResilientError
 
 __all__ = [
     "SnapshotError", "SnapshotCorrupt", "SnapshotIncomplete", "SnapshotMismatch",
     "FormatVersionError", "NoSnapshotFound", "StorageError",
-    "ChunkRecord", "TensorRecord", "Manifest", "Restored",
+    "ChunkRecord", "TensorRecord", "Manifest", "Restored", "CommitProtocol",
 ]
+
+if TYPE_CHECKING:
+    from resilient.snapshot.nodestore import LocalVersion
 
 # A version's directory: VERSION_PREFIX + the step, zero-padded (format.version_dir). Here, not in
 # .format: the preflight counts the durable tier's versions before anything imports torch.
@@ -164,3 +168,40 @@ class Restored:
     world: int
     url: str
     resharded: bool
+
+
+class CommitProtocol(ABC):
+    """How a node's replicator (:class:`~resilient.snapshot.memcommit.Replicator`, one per
+    agent) has the fleet's holds of a version gathered and the version committed, after it
+    pushed its own ranks' replicas. A replicator holds one, composed, not inherited:
+
+    * :class:`~resilient.snapshot.etcdcommit.EtcdCommit`: every node records its holds in
+      etcd and whoever sees every rank held commits (N + 1 etcd writes per version);
+    * :class:`~resilient.snapshot.leadcommit.LeaderCommit`: the node of rank 0 chooses the
+      version, the others report their holds to it over the peer channel, it alone commits
+      (one etcd transaction per version).
+
+    Called from the replicator's thread only, in this order per turn: :meth:`following`
+    (and :meth:`follow`) to choose the version, :meth:`begin` before the push,
+    :meth:`commit` after it."""
+
+    def following(self, attempt: str) -> bool:
+        """Whether this node handles another node's choice of version of ``attempt``, not its
+        own newest (then :meth:`follow` chooses)."""
+        return False
+
+    def follow(self, newest: "LocalVersion") -> "LocalVersion | None":
+        """The version to handle now, ``newest`` being this node's newest one not handled; None
+        when there is none yet (after a wait) or the ones here were given up."""
+        return newest
+
+    def begin(self, v: "LocalVersion") -> None:
+        """``v`` is the version handled now; its replicas are pushed next."""
+
+    @abstractmethod
+    def commit(self, v: "LocalVersion", world: int, holders: dict[int, list[str]], manifests: dict[int, bytes],
+               parsed: dict[int, dict], tiers: dict[str, int]) -> None:
+        """After the push: this node holds ``holders`` (its ranks of ``v``, each on these nodes),
+        whose signed rank manifests are ``manifests`` (``parsed``: those parsed so far); gather
+        the other nodes' holds and commit ``v`` at each tier of ``tiers`` (tier -> k) whose
+        copies are all held, or leave that to the node that does."""

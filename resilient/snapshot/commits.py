@@ -75,6 +75,17 @@ def union_holders(into: dict[str, list[str]], more: Mapping[str, list[str]]) -> 
         have += [n for n in h if n not in have]
 
 
+def merge_holds(docs: Iterable[Mapping[str, Any]], attempt: str, world: int) -> dict[str, list[str]]:
+    """``{rank: [nodes]}`` over the holds documents of ``attempt`` and ``world`` (each node's
+    ``{"attempt", "world", "holders": {rank: [nodes]}}``, from etcd or reported to a leader)."""
+    merged: dict[str, list[str]] = {}
+    for got in docs:
+        if got.get("attempt") != attempt or got.get("world") != world:
+            continue
+        union_holders(merged, got.get("holders") or {})
+    return merged
+
+
 def commit_prefix(run_id: str, tier: str) -> str:
     """Where ``tier``'s records (one of :data:`RECORD_TIERS`) of a run lie; another name is a
     ValueError (a misspelt tier would read nothing and write where no one looks)."""

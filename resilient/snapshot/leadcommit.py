@@ -45,13 +45,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from resilient.secret import HOLDS
-from resilient.snapshot.api import SnapshotError
-from resilient.snapshot.commits import RECORD_TIERS, union_holders
+from resilient.snapshot.api import CommitProtocol, SnapshotError
+from resilient.snapshot.commits import merge_holds
 from resilient.snapshot.nodestore import LocalVersion
 from resilient.snapshot.peer import PeerError
+
+if TYPE_CHECKING:
+    from resilient.snapshot.memcommit import Replicator
 
 log = logging.getLogger(__name__)
 
@@ -71,55 +74,87 @@ def group_of(attempt: str) -> str:
     return head if sep and len(seq) == 6 and seq.isdigit() else attempt
 
 
-def merge_holds(docs, attempt: str, world: int) -> dict[str, list[str]]:
-    """``{rank: [nodes]}`` over the holds documents of ``attempt`` and ``world``."""
-    merged: dict[str, list[str]] = {}
-    for got in docs:
-        if got.get("attempt") != attempt or got.get("world") != world:
-            continue
-        union_holders(merged, got.get("holders") or {})
-    return merged
+class LeaderCommit(CommitProtocol):
+    """The leader protocol (module doc) for ``rep``'s node, which serves ``server`` (its
+    :class:`~resilient.snapshot.peer.PeerServer`: the followers' questions and reports come
+    in there). Its own state: the leaders it knows, the version it gathers now (leading) and
+    the holds reported to it. The replicator's it shares: its condition (a new worker group
+    ends a gather), its ranks, group and handled step, its etcd and peer clients; it commits
+    through :meth:`Replicator._commit <resilient.snapshot.memcommit.Replicator._commit>`."""
 
+    def __init__(self, rep: "Replicator", server):
+        self.rep, self.server = rep, server
+        self._leaders: dict[str, tuple[str, str]] = {}  # attempt group -> (leader node, its store address)
+        self._target: tuple[str, int] = ("", -1)  # leading: (attempt group, step) of the version gathered now
+        self._reports: dict[tuple[int, str], dict[str, dict]] = {}  # (step, attempt) -> node -> holds
+        self._leading = False  # whether this node leads the version handled now (begin)
+        server.on_holds = self._on_holds
+        server.on_target = self._on_target
 
-class LeaderCommit:
-    """The leader protocol's half of :class:`~resilient.snapshot.memcommit.Replicator`
-    (a mixin: it uses the replicator's state, client, secret, options and events)."""
+    # -- CommitProtocol ----------------------------------------------------------
+    def following(self, attempt: str) -> bool:
+        try:
+            return not self._leads(attempt)
+        except Exception as e:  # etcd unreachable for the claim: begin claims again, and reports it
+            log.debug("could not claim the commit lead of %s: %s", attempt, e)
+            return False
 
+    def begin(self, v: LocalVersion) -> None:
+        self._leading = self._leads(v.attempt)
+        if self._leading:
+            self._aim(v)  # the followers learn it now and push their replicas while we push ours
+
+    def commit(self, v: LocalVersion, world: int, holders: dict[int, list[str]], manifests: dict[int, bytes],
+               parsed: dict[int, dict], tiers: dict[str, int]) -> None:
+        rep = self.rep
+        doc = {"node": rep.node, "step": v.step, "attempt": v.attempt, "world": world,
+               "holders": {str(r): h for r, h in holders.items()},
+               "manifests": {str(r): text.decode() for r, text in manifests.items()}}
+        if self._leading:
+            merged, reported = self._gather(v, doc, world)
+            if merged is not None:
+                t0 = time.monotonic()
+                rep._commit(v, world, merged, tiers, reported)
+                rep._costs["commit_us"] = round((time.monotonic() - t0) * 1e6)
+        else:
+            self._report(v, doc)
+
+    # -- the lead -----------------------------------------------------------------
     def _leads(self, attempt: str) -> bool:
         """Whether this node leads the commits of ``attempt``: it holds global rank 0 and its
         create-only leader record won (two nodes both claiming rank 0, an old group's and a
         new one's, race there: one leads, the other reports to it)."""
-        if 0 not in self.local_ranks:
+        if 0 not in self.rep.local_ranks:
             return False
         group = group_of(attempt)   # the key of _leaders; leader_key derives it itself
         if group not in self._leaders:
-            key = leader_key(self.run_id, attempt)
-            address = self._server.address if self._server is not None else ""
-            got = self.client.compare_and_swap(
-                key, self.secret.seal_record(HOLDS, key, {"node": self.node, "store": address}), mod_revision=None)
+            key = leader_key(self.rep.run_id, attempt)
+            address = self.server.address
+            got = self.rep.client.compare_and_swap(
+                key, self.rep.secret.seal_record(HOLDS, key, {"node": self.rep.node, "store": address}), mod_revision=None)
             if got.succeeded:
-                self._leaders[group] = (self.node, address)
+                self._leaders[group] = (self.rep.node, address)
             elif got.kv is not None:
                 self._remember_leader(group, got.kv)
-        return self._leaders.get(group, ("", ""))[0] == self.node
+        return self._leaders.get(group, ("", ""))[0] == self.rep.node
 
     def _remember_leader(self, group: str, kv) -> None:
-        rec = self._authentic(HOLDS, kv, "commit leader record")
+        rec = self.rep._authentic(HOLDS, kv, "commit leader record")
         if rec is not None and isinstance(rec.get("node"), str) and isinstance(rec.get("store"), str):
             self._leaders[group] = (rec["node"], rec["store"])
 
     def _leader(self, attempt: str) -> tuple[str, str] | None:
         """The leader of ``attempt`` (node, store address); waits for it to announce itself
         (its first version of the attempt may land after ours), up to ``gather_timeout``."""
-        deadline = time.monotonic() + self.opts.gather_timeout.total_seconds()
+        deadline = time.monotonic() + self.rep.opts.gather_timeout.total_seconds()
         delay = 0.01
         group = group_of(attempt)   # the key of _leaders; leader_key derives it itself
-        workers = self.group        # a new worker group: this attempt's leader is moot
+        workers = self.rep.group        # a new worker group: this attempt's leader is moot
         while group not in self._leaders:
-            kv = self.client.get(leader_key(self.run_id, attempt))
+            kv = self.rep.client.get(leader_key(self.rep.run_id, attempt))
             if kv is not None:
                 self._remember_leader(group, kv)
-            if group in self._leaders or time.monotonic() > deadline or self.group != workers:
+            if group in self._leaders or time.monotonic() > deadline or self.rep.group != workers:
                 break
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
@@ -129,39 +164,28 @@ class LeaderCommit:
         """Send this node's holds of ``v`` to the leader; its reply says what it committed."""
         leader = self._leader(v.attempt)
         if leader is None:
-            self._emit("upload_error", step=v.step, phase="commit", error=(
+            self.rep._emit("upload_error", step=v.step, phase="commit", error=(
                 f"no commit leader announced for attempt {v.attempt} within "
-                f"{self.opts.gather_timeout.total_seconds():.0f} s (the node with rank 0 is gone or slow)"))
+                f"{self.rep.opts.gather_timeout.total_seconds():.0f} s (the node with rank 0 is gone or slow)"))
             return
         node, address = leader
         t0 = time.monotonic()
         try:
-            reply = self._client(node, address).report_holds(doc)
+            reply = self.rep._client(node, address).report_holds(doc)
         except (PeerError, SnapshotError, OSError) as e:
-            self._drop_client(node)
-            self._emit("upload_error", step=v.step, phase="commit", obj=node, error=str(e))
+            self.rep._drop_client(node)
+            self.rep._emit("upload_error", step=v.step, phase="commit", obj=node, error=str(e))
             return
-        self._costs["commit_us"] = round((time.monotonic() - t0) * 1e6)  # this node's share of the commit
-        self._learn(reply.get("committed"))
+        self.rep._costs["commit_us"] = round((time.monotonic() - t0) * 1e6)  # this node's share of the commit
+        self.rep._learn(reply.get("committed"))
 
     # -- the version: the leader's choice, the followers' following -------------
-    def _following(self, attempt: str) -> bool:
-        """Whether this node handles the leader's choice of version, not its own (the leader
-        protocol, on a node that does not lead ``attempt``)."""
-        if self.opts.protocol != "leader" or self._server is None:
-            return False
-        try:
-            return not self._leads(attempt)
-        except Exception as e:  # etcd unreachable for the claim: _handle claims again, and reports it
-            log.debug("could not claim the commit lead of %s: %s", attempt, e)
-            return False
-
     def _aim(self, v: LocalVersion) -> None:
         """The leader's choice: ``v`` is the version it gathers now (the followers asking learn it,
         and push their replicas of it while the leader pushes its own)."""
-        with self._cond:
+        with self.rep._cond:
             self._target = (group_of(v.attempt), v.step)
-            self._cond.notify_all()
+            self.rep._cond.notify_all()
 
     def _on_target(self, req: dict) -> dict:
         """A follower's question (a server thread; the channel authenticated it): the step of
@@ -170,79 +194,55 @@ class LeaderCommit:
         try:
             attempt, after, wait = str(req["attempt"]), int(req["after"]), float(req.get("wait", 0))
         except (KeyError, TypeError, ValueError):
-            return {"target": -1, "committed": self._shown()}
-        deadline = time.monotonic() + max(0.0, min(wait, self.opts.io_timeout.total_seconds() / 2))
-        with self._cond:
+            return {"target": -1, "committed": self.rep._shown()}
+        deadline = time.monotonic() + max(0.0, min(wait, self.rep.opts.io_timeout.total_seconds() / 2))
+        with self.rep._cond:
             while True:
                 step = self._target[1] if self._target[0] == group_of(attempt) else -1
                 left = deadline - time.monotonic()
-                if step > after or left <= 0 or self._stop:
+                if step > after or left <= 0 or self.rep._stop:
                     break
-                self._cond.wait(left)
-        return {"target": step, "committed": self._shown()}
+                self.rep._cond.wait(left)
+        return {"target": step, "committed": self.rep._shown()}
 
-    def _follow(self, newest: LocalVersion) -> LocalVersion | None:
+    def follow(self, newest: LocalVersion) -> LocalVersion | None:
         """A follower's turn, ``newest`` its newest version not handled: the version the leader
         gathers, when this node has it whole; else None, after waiting for the leader to choose
         (up to ``fallback``) or giving up the versions the leader will never gather."""
         try:
             leader = self._leader(newest.attempt)
             if leader is None:
-                self._emit("upload_error", step=newest.step, phase="commit", error=(
+                self.rep._emit("upload_error", step=newest.step, phase="commit", error=(
                     f"no commit leader announced for attempt {newest.attempt} within "
-                    f"{self.opts.gather_timeout.total_seconds():.0f} s (the node with rank 0 is gone or slow)"))
-                self._give_up(newest.step)
+                    f"{self.rep.opts.gather_timeout.total_seconds():.0f} s (the node with rank 0 is gone or slow)"))
+                self.rep._give_up(newest.step)
                 return None
             node, address = leader
             try:
-                reply = self._client(node, address).commit_target(newest.attempt, self.done, self.opts.fallback)
+                reply = self.rep._client(node, address).commit_target(newest.attempt, self.rep.done, self.rep.opts.fallback)
             except (PeerError, SnapshotError, OSError) as e:
-                self._drop_client(node)
-                self._emit("upload_error", step=newest.step, phase="commit", obj=node, error=str(e))
-                self._give_up(newest.step)
+                self.rep._drop_client(node)
+                self.rep._emit("upload_error", step=newest.step, phase="commit", obj=node, error=str(e))
+                self.rep._give_up(newest.step)
                 return None
         except Exception as e:  # etcd unreachable (the leader's record): as a failed version
-            self._emit("upload_error", step=newest.step, phase="commit", error=f"{type(e).__name__}: {e}")
-            self._give_up(newest.step)
+            self.rep._emit("upload_error", step=newest.step, phase="commit", error=f"{type(e).__name__}: {e}")
+            self.rep._give_up(newest.step)
             return None
-        self._learn(reply.get("committed"))
+        self.rep._learn(reply.get("committed"))
         target = reply.get("target")
-        if not isinstance(target, int) or target <= self.done:
+        if not isinstance(target, int) or target <= self.rep.done:
             # Nothing newer chosen within the wait (or a leader stopping): ask again, unhurried.
-            with self._cond:
-                self._cond.wait(self.opts.poll.total_seconds())
+            with self.rep._cond:
+                self.rep._cond.wait(self.rep.opts.poll.total_seconds())
             return None
         if target > newest.step:  # not landed here yet; ours older than it will never be gathered
-            self._give_up(newest.step)
+            self.rep._give_up(newest.step)
             return None
-        v = next((v for v in self._ready() if v.step == target), None)
+        v = next((v for v in self.rep._ready() if v.step == target), None)
         if v is None:  # never landed here whole: the leader gives it up after gather_timeout
-            self._give_up(target)
+            self.rep._give_up(target)
         return v
-
-    def _give_up(self, step: int) -> None:
-        """Versions up to ``step`` are not handled (the leader will not gather them)."""
-        with self._cond:
-            self.done = max(self.done, step)
-            self._cond.notify_all()
-        self._retain(below=self.done)
-
-    def _learn(self, shown: Any) -> None:
-        """The newest commits the leader made (its reply to a report): kept by retention, shown
-        to this node's workers."""
-        if not isinstance(shown, dict):
-            return
-        with self._cond:
-            for tier in RECORD_TIERS:
-                if isinstance(shown.get(tier), int) and shown[tier] >= 0:
-                    self.committed[tier] = max(self.committed.get(tier, -1), shown[tier])
-            if isinstance(shown.get("peer"), int):
-                self._peer_committed = max(self._peer_committed, shown["peer"])
-        self._publish_committed()
-
-    def _shown(self) -> dict[str, int]:
-        with self._cond:
-            return {**{t: self.committed.get(t, -1) for t in RECORD_TIERS}, "peer": self._peer_committed}
 
     def _on_holds(self, doc: dict) -> dict:
         """A peer's holds report (a server thread; the channel authenticated it). Kept for the
@@ -251,24 +251,24 @@ class LeaderCommit:
             key = (int(doc["step"]), str(doc["attempt"]))
             node = str(doc["node"])
         except (KeyError, TypeError, ValueError):
-            return {"accepted": False, "committed": self._shown()}
-        with self._cond:
-            if key[0] > self.done - 64:
+            return {"accepted": False, "committed": self.rep._shown()}
+        with self.rep._cond:
+            if key[0] > self.rep.done - 64:
                 self._reports.setdefault(key, {})[node] = doc
                 while len(self._reports) > 16:
                     del self._reports[min(self._reports)]
-                self._cond.notify_all()
-        return {"accepted": True, "committed": self._shown()}
+                self.rep._cond.notify_all()
+        return {"accepted": True, "committed": self.rep._shown()}
 
     def _gather(self, v: LocalVersion, doc: dict, world: int) -> tuple[dict[str, list[str]] | None, dict[int, dict]]:
         """Wait for every rank's holds of ``v`` (ours and the peers' reports); the merged
         ``{rank: [nodes]}`` and the reported rank manifests, or None when some rank's holds did
         not come within ``gather_timeout`` (the version is then not committed)."""
         key = (v.step, v.attempt)
-        deadline = time.monotonic() + self.opts.gather_timeout.total_seconds()
-        with self._cond:
-            group = self.group
-            self._reports.setdefault(key, {})[self.node] = doc
+        deadline = time.monotonic() + self.rep.opts.gather_timeout.total_seconds()
+        with self.rep._cond:
+            group = self.rep.group
+            self._reports.setdefault(key, {})[self.rep.node] = doc
             while True:
                 got = dict(self._reports.get(key, {}))
                 merged = merge_holds(got.values(), v.attempt, world)
@@ -278,17 +278,17 @@ class LeaderCommit:
                 # version is dropped now, not after gather_timeout. Waiting it out held the
                 # new group's commits back 10 s while its durable versions went on
                 # (tests/integration/test_job_launch.py: a replacement node then restored from durable).
-                if not missing or left <= 0 or self._stop or self.group != group:
+                if not missing or left <= 0 or self.rep._stop or self.rep.group != group:
                     break
-                self._cond.wait(left)
+                self.rep._cond.wait(left)
             for k in [k for k in self._reports if k[0] <= v.step]:
                 del self._reports[k]
-            if missing and self.group != group:
+            if missing and self.rep.group != group:
                 return None, {}
         if missing:
-            self._emit("upload_error", step=v.step, phase="commit", error=(
+            self.rep._emit("upload_error", step=v.step, phase="commit", error=(
                 f"holds of ranks {missing[:8]}{'...' if len(missing) > 8 else ''} were not reported within "
-                f"{self.opts.gather_timeout.total_seconds():.0f} s; step {v.step} is not committed"))
+                f"{self.rep.opts.gather_timeout.total_seconds():.0f} s; step {v.step} is not committed"))
             return None, {}
         manifests: dict[int, dict] = {}
         for d in got.values():

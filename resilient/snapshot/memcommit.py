@@ -16,15 +16,17 @@ between them: :meth:`Replicator._budget`), and
    and commits the version at tier ``local`` (``/resilient/<run>/commit/local/<S>``) and,
    when every rank is held on ``1+k`` nodes, at tier ``peer`` (``.../commit/replicated/<S>``),
    both create-only in one transaction; the winner emits ``commit``. How the holds are
-   gathered is ``ReplicatorOptions.protocol``:
+   gathered is the replicator's commit protocol (:class:`~.api.CommitProtocol`, chosen by
+   ``ReplicatorOptions.protocol``):
 
-   * ``etcd``: each node records them under ``/resilient/<run>/mem/holds/<S>/<N>``
-     and reads every node's record of S in one transaction, and whoever sees every rank
-     covered commits: N + 1 writes per version and N² bytes read (bench/scale.py);
-   * ``leader`` (default; the replicator must serve its peer server, :meth:`Replicator.serve`,
-     else it uses ``etcd``): the node holding rank 0 chooses the version, every node
-     handles that one (not its own newest) and reports its holds to that leader over the
-     peer channel, and the leader alone commits (:mod:`.leadcommit`): one etcd
+   * ``etcd`` (:mod:`.etcdcommit`): each node records them under
+     ``/resilient/<run>/mem/holds/<S>/<N>`` and reads every node's record of S in one
+     transaction, and whoever sees every rank covered commits: N + 1 writes per version and
+     N² bytes read (bench/scale.py);
+   * ``leader`` (:mod:`.leadcommit`; the agents' default; the replicator must serve its peer
+     server, :meth:`Replicator.serve`, else it uses ``etcd``): the node holding rank 0
+     chooses the version, every node handles that one (not its own newest) and reports its
+     holds to that leader over the peer channel, and the leader alone commits: one etcd
      transaction per version whatever the node count.
 
    Before it commits, the agent checks that the version's rank manifests tile every tensor
@@ -71,16 +73,17 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from resilient.errors import ConfigError
-from resilient.secret import COMMIT, HOLDS, JobSecret, Unauthentic, report_unauthentic
-from resilient.snapshot.api import SnapshotCorrupt, SnapshotIncomplete
+from resilient.secret import COMMIT, JobSecret, Unauthentic, report_unauthentic
+from resilient.snapshot.api import CommitProtocol, SnapshotCorrupt, SnapshotIncomplete
 from resilient.snapshot.auth import VersionAuth, report as report_auth
 from resilient.snapshot.durable import merge_rank_manifests
 from resilient.snapshot.epoch import EpochFence
 from resilient.snapshot.format import object_crcs, rank_manifest_boxes, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError
-from resilient.snapshot.leadcommit import LeaderCommit, group_of, leader_key, merge_holds  # noqa: F401 (leader_key: re-exported)
-from resilient.snapshot.commits import (  # noqa: F401 (read_commits re-exported)
+from resilient.snapshot.etcdcommit import EtcdCommit
+from resilient.snapshot.leadcommit import LeaderCommit, group_of, leader_key  # noqa: F401 (leader_key: re-exported)
+from resilient.snapshot.commits import (  # noqa: F401 (holds_prefix, read_commits re-exported)
     LOCAL, RECORD_TIERS, REPLICATED, CommitRecord, commit_key, commit_prefix, holds_prefix, read_commits)
 from resilient.snapshot.placement import place, replica_order
 from resilient.snapshot.priority import REPLICATION_NICE, background_priority
@@ -121,9 +124,12 @@ class ReplicatorOptions:
     gather_timeout: timedelta = timedelta(seconds=10)
 
 
-class Replicator(LeaderCommit):
+class Replicator:
     """See the module docstring. ``nodes()`` returns the live nodes' registry info
-    (``{node: {"domain", "store", ...}}``) or None when etcd is unreachable."""
+    (``{node: {"domain", "store", ...}}``) or None when etcd is unreachable. How a version's
+    holds are gathered and who commits it is its :attr:`protocol`
+    (:class:`~resilient.snapshot.api.CommitProtocol`): etcd until :meth:`serve` gives it a
+    peer server, then the one ``opts.protocol`` names."""
 
     def __init__(self, store: NodeStore, client, run_id: str, node: str, secret: JobSecret | bytes,
                  nodes: Callable[[], dict[str, dict] | None], opts: ReplicatorOptions, events: Any):
@@ -156,10 +162,7 @@ class Replicator(LeaderCommit):
         self._peer_committed = -1
         self._nodes_at = 0.0
         self._bell = Doorbell(store.path)
-        self._server = None                  # this node's PeerServer, once serve() attached it
-        self._reports: dict[tuple[int, str], dict[str, dict]] = {}  # (step, attempt) -> node -> holds
-        self._leaders: dict[str, tuple[str, str]] = {}  # attempt -> (leader node, its store address)
-        self._target: tuple[str, int] = ("", -1)  # leading: (attempt, step) of the version gathered now
+        self.protocol: CommitProtocol = EtcdCommit(self)  # LeaderCommit once serve() attached a peer server
         self._placement: dict[str, list[str]] = {}
         self._placed_for: dict[str, str] | None = None
         self._fence = EpochFence.start(client, run_id, self.secret, events)  # commits carry the run's epoch
@@ -169,11 +172,11 @@ class Replicator(LeaderCommit):
         self._thread.start()
 
     def serve(self, server) -> None:
-        """Collect the holds peers report to this node (when it leads a commit) through
-        ``server``, this node's :class:`~resilient.snapshot.peer.PeerServer`."""
-        self._server = server
-        server.on_holds = self._on_holds
-        server.on_target = self._on_target
+        """Commit by the protocol ``opts.protocol`` names: with ``"leader"``, the holds peers
+        report to this node (when it leads a commit) come in through ``server``, this node's
+        :class:`~resilient.snapshot.peer.PeerServer`."""
+        if self.opts.protocol == "leader":
+            self.protocol = LeaderCommit(self, server)
 
     def set_workers(self, ranks: set[int], world: int) -> None:
         """The global ranks this node's workers now have (called at every worker start, after
@@ -241,8 +244,8 @@ class Replicator(LeaderCommit):
             newest, v = self._newest_ready()
             if newest is not None:
                 self._observe(newest)
-                if self._following(newest.attempt):  # the leader protocol: the leader's choice, not ours
-                    v = self._follow(newest)
+                if self.protocol.following(newest.attempt):  # the leader protocol: the leader's choice, not ours
+                    v = self.protocol.follow(newest)
                     if v is None:  # it waited, or gave versions up
                         continue
             if v is None:
@@ -310,9 +313,8 @@ class Replicator(LeaderCommit):
             report_auth(self.events, e)
             self._emit("upload_error", step=v.step, phase="replicate", obj=e.obj, error=f"{type(e).__name__}: {e}")
             return
-        leads = self.opts.protocol == "leader" and self._server is not None and self._leads(v.attempt)
-        if leads:
-            self._aim(v)  # the followers learn it now and push their replicas while we push ours
+        protocol = self.protocol
+        protocol.begin(v)
         nodes = self._live_nodes()
         holders = {r: [self.node] for r in mine}
         parsed: dict[int, dict] = {}         # rank -> its manifest's JSON, parsed once (push, then commit)
@@ -338,23 +340,7 @@ class Replicator(LeaderCommit):
                        peers=sorted({n for h in holders.values() for n in h} - {self.node}))
             if sent > 0:
                 self._costs.update(push_bytes=sent, push_us=max(1, round(pushed * 1e6)))
-        tiers = {LOCAL: 0, REPLICATED: k}
-        if self._server is None or self.opts.protocol == "etcd":
-            t0 = time.monotonic()
-            self._commit(v, world, self._hold(v, holders, world), tiers, parsed)
-            self._costs["commit_us"] = round((time.monotonic() - t0) * 1e6)
-            return
-        doc = {"node": self.node, "step": v.step, "attempt": v.attempt, "world": world,
-               "holders": {str(r): h for r, h in holders.items()},
-               "manifests": {str(r): docs[r].decode() for r in mine}}
-        if leads:
-            merged, manifests = self._gather(v, doc, world)
-            if merged is not None:
-                t0 = time.monotonic()
-                self._commit(v, world, merged, tiers, manifests)
-                self._costs["commit_us"] = round((time.monotonic() - t0) * 1e6)
-        else:
-            self._report(v, doc)
+        protocol.commit(v, world, holders, docs, parsed, {LOCAL: 0, REPLICATED: k})
 
     def _targets(self, nodes: dict[str, dict]) -> list[str]:
         """Where this node pushes, in order (:mod:`.placement`: its placed targets in other
@@ -419,21 +405,6 @@ class Replicator(LeaderCommit):
         return sent
 
     # -- etcd records -----------------------------------------------------------
-    def _hold(self, v: LocalVersion, holders: dict[int, list[str]], world: int) -> dict[str, list[str]]:
-        """Record what this node holds and read every node's records of ``v`` (one txn):
-        the merged ``{rank: [nodes]}`` of this version's attempt and world."""
-        doc = {"attempt": v.attempt, "world": world, "holders": {str(r): h for r, h in holders.items()}}
-        prefix = holds_prefix(self.run_id, v.step)
-        kvs, newest = self.client.put_and_get_prefix(
-            prefix + self.node, self.secret.seal_record(HOLDS, prefix + self.node, doc), prefix,
-            newest_under=[commit_prefix(self.run_id, t) for t in RECORD_TIERS])
-        with self._cond:  # the newest commits, whoever made them: retention must keep them
-            for tier, kv in zip(RECORD_TIERS, newest):
-                if kv is not None and self._authentic(COMMIT, kv, "commit record") is not None:
-                    self.committed[tier] = max(self.committed.get(tier, -1), int(kv.key[-12:]))
-        docs = [got for got in (self._authentic(HOLDS, kv, "holds record") for kv in kvs) if got is not None]
-        return merge_holds(docs, v.attempt, world)
-
     def _authentic(self, purpose: str, kv, what: str) -> dict | None:
         key = kv.key.decode(errors="replace")
         try:
@@ -548,6 +519,31 @@ class Replicator(LeaderCommit):
             self.client.txn([], ops, [])
         except Exception as e:  # bookkeeping only
             log.debug("could not forget old commit records: %s", e)
+
+    # -- what the leader protocol shares (leadcommit.py) -------------------------
+    def _give_up(self, step: int) -> None:
+        """Versions up to ``step`` are not handled (the leader will not gather them)."""
+        with self._cond:
+            self.done = max(self.done, step)
+            self._cond.notify_all()
+        self._retain(below=self.done)
+
+    def _learn(self, shown: Any) -> None:
+        """The newest commits the leader made (its reply to a report): kept by retention, shown
+        to this node's workers."""
+        if not isinstance(shown, dict):
+            return
+        with self._cond:
+            for tier in RECORD_TIERS:
+                if isinstance(shown.get(tier), int) and shown[tier] >= 0:
+                    self.committed[tier] = max(self.committed.get(tier, -1), shown[tier])
+            if isinstance(shown.get("peer"), int):
+                self._peer_committed = max(self._peer_committed, shown["peer"])
+        self._publish_committed()
+
+    def _shown(self) -> dict[str, int]:
+        with self._cond:
+            return {**{t: self.committed.get(t, -1) for t in RECORD_TIERS}, "peer": self._peer_committed}
 
     # -- retention --------------------------------------------------------------
     def _retain(self, below: int) -> None:

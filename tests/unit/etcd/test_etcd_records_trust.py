@@ -97,7 +97,7 @@ def test_forged_holds_never_count_as_copies(client, events, tmp_path):
         doc = {"attempt": v.attempt, "world": 2, "holders": {"1": ["x"]}}
         for i, forge in enumerate(_forgeries(SECRET, HOLDS, doc, prefix + "a")):
             client.put(prefix + f"x{i}", forge(prefix + f"x{i}"))
-        merged = rep._hold(v, {0: ["a"]}, world=2)
+        merged = rep.protocol.hold(v, {0: ["a"]}, world=2)
         assert merged == {"0": ["a"]}
         rep._commit(v, 2, merged, {LOCAL: 0, REPLICATED: 0})
         assert client.get(commit_key(run_id, LOCAL, 3)) is None  # rank 1 is held nowhere

@@ -180,9 +180,9 @@ def test_a_new_worker_group_ends_the_leaders_wait_for_the_old_groups_holds(fleet
     assert f.commit(1)
     f.land(2, "t0-000001", {"a": {0}, "b": {1}}, 3)   # c's rank 2 never lands
     deadline = time.monotonic() + 30
-    while not any(k[0] == 2 for k in f.reps["a"]._reports) and time.monotonic() < deadline:
+    while not any(k[0] == 2 for k in f.reps["a"].protocol._reports) and time.monotonic() < deadline:
         time.sleep(0.05)   # a is gathering step 2
-    assert any(k[0] == 2 for k in f.reps["a"]._reports)
+    assert any(k[0] == 2 for k in f.reps["a"].protocol._reports)
     # The new group starts at once, within the replicator's 0.5 s slack of times
     # (Replicator.since): step 2 is ruled out by its attempt group, not taken up again.
     f.workers(ranks, 3)                                 # the new worker group
@@ -202,7 +202,7 @@ def test_two_leaders_racing_for_one_attempt_one_leads_one_commit(fleet, client):
 
     def claim(n: str) -> None:
         go.wait()
-        won[n] = f.reps[n]._leads("t0-000001")
+        won[n] = f.reps[n].protocol._leads("t0-000001")
 
     threads = [threading.Thread(target=claim, args=(n,)) for n in ("a", "b")]
     for t in threads:
