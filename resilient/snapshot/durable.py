@@ -51,11 +51,10 @@ from resilient.snapshot.format import (
     MANIFEST_NAME, MAX_INFLATE, check_no_overlap, checksum, compress, crc, dtype_name, manifest_from_json, manifest_to_json,
     should_compress, version_dir,
 )
-from resilient.snapshot.nodestore import BELL, SPARES, Doorbell, Spares
 from resilient.snapshot.priority import UPLOAD_NICE, background_priority
 from resilient.snapshot.retention import collect_garbage
-from resilient.snapshot.storage import RetryPolicy, is_remote, node_store_path, with_retry, write_object
-from resilient.snapshot.storefull import out_of_space, report_store_full
+from resilient.snapshot.sinks import open_sink
+from resilient.snapshot.storage import RetryPolicy, with_retry, write_object
 
 
 @dataclass
@@ -98,10 +97,7 @@ class Uploader:
         self.layout, self.config_digest, self.committer = layout, config_digest, committer
         self.attempt = ""
         self.epoch = 0   # the run's rollback epoch, stamped in each rank manifest (Snapshotter.epoch)
-        self.remote = is_remote(fs)
-        store = node_store_path(fs, root)  # an agent's node store: rewrite its spares, ring its bell
-        self.spares = Spares(store / SPARES) if store is not None else None
-        self.bell = store / BELL if store is not None else None
+        self.sink = open_sink(fs, root)  # the durable tier's storage, or an agent's node store
         self.last_uploaded: int | None = None
         self.failures = 0
         self.errors: dict[int, str] = {}  # step → why its upload failed (the newest few)
@@ -128,9 +124,7 @@ class Uploader:
                     del self.errors[old]
                 emit(self.events, "upload_error", step=slot.step, phase="upload",
                      error=f"{type(e).__name__}: {e}", obj=getattr(e, "obj", None))
-                if self.bell is not None and out_of_space(e):  # a full node store: its own fix, once a minute
-                    report_store_full(self.bell.parent, slot.step)
-                else:
+                if not self.sink.failed(slot.step, e):  # a full node store is reported to its agent instead
                     warnings.warn(f"snapshot upload of step {slot.step} failed, training goes on: {e}", RuntimeWarning)
             finally:
                 self.ring.release(slot, self.consumer)
@@ -157,7 +151,7 @@ class Uploader:
                 raw_crc, mac = slot.seals.get((i, fp), lambda: seal(views[i]))
                 check = f"crc32c:{raw_crc:08x}"
                 # a chunk above what a reader inflates (one row > MAX_INFLATE) is stored raw
-                if should_compress(self.opts.compress, c.dtype, self.remote) and c.nbytes <= MAX_INFLATE:
+                if should_compress(self.opts.compress, c.dtype, self.sink.remote) and c.nbytes <= MAX_INFLATE:
                     packed = compress(data)
                     if len(packed) < 0.97 * len(data):  # only where it pays
                         data, how, check = packed, "zstd", checksum(packed)
@@ -174,10 +168,10 @@ class Uploader:
         chunks = [slot.plan.chunks[i] for i in idxs]
         # Known beforehand unless a chunk may be compressed (a node store then maps the file).
         size = (sum(c.nbytes for c in chunks)
-                if not any(should_compress(self.opts.compress, c.dtype, self.remote) and c.nbytes <= MAX_INFLATE
+                if not any(should_compress(self.opts.compress, c.dtype, self.sink.remote) and c.nbytes <= MAX_INFLATE
                            for c in chunks)
                 else lambda: sum(r.length for _, r in records))
-        with_retry(lambda: write_object(self.fs, f"{vdir}/{obj}", payloads(), size, self.spares),
+        with_retry(lambda: self.sink.write(f"{vdir}/{obj}", payloads(), size),
                    f"{vdir}/{obj}", self.opts.retry, bump)
         return records
 
@@ -205,7 +199,7 @@ class Uploader:
         if self.auth is not None:
             doc = self.auth.sign_manifest(doc)
         path = f"{vdir}/{rank_manifest_name(adir, self.rank)}"
-        with_retry(lambda: write_object(self.fs, path, [doc], len(doc), in_store=self.spares is not None),
+        with_retry(lambda: self.sink.write_manifest(path, doc),
                    path, self.opts.retry)
         seconds = time.monotonic() - t0
         raw = sum(c.nbytes for c in slot.plan.chunks)
@@ -214,8 +208,7 @@ class Uploader:
              seconds=round(seconds, 4), mb_s=round(raw / max(seconds, 1e-9) / 1e6, 1), retries=retries[0])
         if self.committer is not None:
             self.committer.add(slot.step, adir)
-        if self.bell is not None:
-            Doorbell.ring(self.bell)
+        self.sink.landed()
 
     def close(self, timeout: timedelta) -> None:
         """Finish the pending writes, waiting at most ``timeout``: past it, a write still
