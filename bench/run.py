@@ -211,12 +211,48 @@ def _portable(text: str) -> str:
     return text.replace(os.path.expanduser("~") + "/", "~/")
 
 
+def _sections(text: str) -> list[tuple[str, str]]:
+    """``(name, text)`` of each ``## name: ...`` section of a RESULTS.md, in order ("" the head)."""
+    out: list[tuple[str, str]] = [("", "")]
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## ") and ":" in line:
+            out.append((line[3:].split(":", 1)[0].strip(), ""))
+        out[-1] = (out[-1][0], out[-1][1] + line)
+    return out
+
+
+def keep_written(old: str, new: str) -> str:
+    """``new`` (rendered) with the sections of ``old`` that no row renders (written by hand for
+    a tool's measurements: sdc_coverage, etcd_members), each after the section it followed."""
+    rendered = _sections(new)
+    names = {n for n, _ in rendered}
+    kept: dict[str, list[str]] = {}
+    before = ""
+    for name, body in _sections(old):
+        if name and name not in names:
+            kept.setdefault(before, []).append(body if body.endswith("\n\n") else body.rstrip("\n") + "\n\n")
+        else:
+            before = name
+    out = []
+    for name, body in rendered:
+        out.append(body)
+        for extra in kept.pop(name, []):
+            out.append(extra if body.endswith("\n\n") else "\n" + extra)
+    for extras in kept.values():   # what they followed is gone: at the end
+        out += ["\n" + e for e in extras]
+    return "".join(out).rstrip("\n") + "\n"
+
+
 def load_all(where: Path = RESULTS) -> dict[str, dict]:
+    """The rows' results. A tool's raw data beside them (bench/etcd_members.py writes
+    ``etcd_members.json``) is no row: it has no ``status``, and is left out."""
     got = {}
     for n in names() + sorted(p.stem for p in where.glob("*.json")):
         p = where / f"{n}.json"
         if n not in got and p.exists():
-            got[n] = json.loads(p.read_text())
+            row = json.loads(p.read_text())
+            if isinstance(row, dict) and "status" in row:
+                got[n] = row
     return got
 
 
@@ -265,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   ({res.get('wall_s', '?')} s)", flush=True)
         for g in res.get("goals", []):
             print(f"   goal: {_goal_cell(g)}", flush=True)
-    md.write_text(render(load_all(out_dir), quick=args.quick))
+    text = render(load_all(out_dir), quick=args.quick)
+    md.write_text(keep_written(md.read_text() if md.exists() else "", text))
     print(f"wrote {md} ({time.time() - t_all:.0f} s in all)")
     return 1 if failed else 0
 
