@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from resilient.contract import SCRIPT_ENTRY, check_name, default_run_id, events_path
 from resilient.errors import ConfigError, LaunchError, ResilientError
-from resilient.launch_args import LaunchUsageError, add_arguments, parse_args  # noqa: F401  (the command line)
+from resilient.launch_args import LaunchUsageError, add_arguments, parse_args, rdzv_conf_knobs  # noqa: F401  (the command line)
 from resilient.rundir import RunDirUnsafe, local_path, private_dir, write_private
 
 if TYPE_CHECKING:
@@ -276,10 +276,12 @@ def prepare_run(args: argparse.Namespace, program_factory: ProgramFactory | None
     nproc, nnodes = node_counts(args, lc, program.nproc)
     max_restarts = lc.max_restarts if args.max_restarts is None else args.max_restarts
     # What the workers read is what this node runs: the flags over the [launch] knobs (a copy:
-    # the GPT's own config is written as it was resolved).
+    # the GPT's own config is written as it was resolved), and --rdzv-conf's keys that are knobs
+    # too (launch_args.RDZV_CONF_KNOBS: one setting; the knob's range check applies).
     program.runtime = dataclasses.replace(program.runtime, launch=dataclasses.replace(
         lc, nproc_per_node=nproc, nnodes=f"{nnodes[0]}:{nnodes[1]}", max_restarts=max_restarts,
-        metrics_port=lc.metrics_port if args.metrics_port is None else args.metrics_port))
+        metrics_port=lc.metrics_port if args.metrics_port is None else args.metrics_port,
+        **rdzv_conf_knobs(args.rdzv_conf)))
     node = args.node_id or socket.gethostname()
     run_dir = Path(args.run_dir or Path("runs") / program.name).resolve()
     try:

@@ -61,6 +61,28 @@ def _parser() -> _Parser:
                    formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
 
 
+# --rdzv-conf keys that are one setting with the [launch] knob of the same name (torchrun's users
+# pass them in --rdzv-conf): a key given sets the knob, so the agent (its waits and what they say)
+# and the rendezvous use one value, range-checked as the knob is. The rendezvous' table of keys
+# (resilient.rendezvous.registry.RDZV_CONF, which imports torch: not read here) marks the same ones.
+RDZV_CONF_KNOBS = ("join_timeout", "last_call_timeout", "keep_alive_interval")
+
+
+def rdzv_conf_knobs(text: str) -> dict[str, float]:
+    """The [launch] knobs a ``--rdzv-conf`` value sets (:data:`RDZV_CONF_KNOBS`), in seconds.
+    Malformed items are left to the rendezvous' own parse, which names them."""
+    out: dict[str, float] = {}
+    for item in (text or "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip() in RDZV_CONF_KNOBS:
+            try:
+                out[key.strip()] = float(value)
+            except ValueError:
+                raise LaunchUsageError(f"--rdzv-conf {key.strip()}={value.strip()!r}: expected seconds (a number); "
+                                       f"it sets launch.{key.strip()}") from None
+    return out
+
+
 def _common_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of both forms; torchrun's names (and their underscore spellings) where
     they mean the same thing."""

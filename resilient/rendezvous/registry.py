@@ -72,12 +72,15 @@ class ConfKey:
     doc: str
     aliases: tuple[str, ...] = ()
     client: bool = False   # how to reach etcd (client_from_params): the workers need it too
+    knob: bool = False     # one setting with the [launch] knob of its name (launch_args.RDZV_CONF_KNOBS)
 
 
 # Every --rdzv-conf key this backend reads, and the defaults :func:`_seconds` and :func:`_opt`
-# fall back on. Under `resilient launch`, [launch] join_timeout, last_call_timeout and
-# keep_alive_interval set their keys (a --rdzv-conf of the same name wins), and the embedded
-# etcd's TLS and login keys are derived from the job secret.
+# fall back on. Under `resilient launch`, join_timeout, last_call_timeout and keep_alive_interval
+# are one setting with the [launch] knobs of the same name (torchrun's users pass them here): the
+# knob sets the key, a key given sets the knob (resilient.launch_args.rdzv_conf_knobs), so the agent
+# and the rendezvous never use two values; the embedded etcd's TLS and login keys are derived from
+# the job secret.
 RDZV_CONF: dict[str, ConfKey] = {k.name: k for k in (
     ConfKey("ca_cert", None, "CA bundle to verify etcd's TLS certificate (enables https)", ("cacert",), client=True),
     ConfKey("ssl_cert", None, "client certificate for etcd", ("cert",), client=True),
@@ -95,14 +98,16 @@ RDZV_CONF: dict[str, ConfKey] = {k.name: k for k in (
     ConfKey("retry_timeout", 30.0, "seconds: how long requests ride through an etcd outage", client=True),
     ConfKey("auto_sync", None, "seconds between refreshes of the member list (unset: never)", client=True),
     ConfKey("store_timeout", 300.0, "seconds: bound on store waits and barriers"),
-    ConfKey("join_timeout", None, "seconds: torch's join timeout (torch's default 600; [launch] join_timeout)"),
+    ConfKey("join_timeout", None, "seconds: torch's join timeout (torch's default 600; under resilient launch "
+                                  "one setting with launch.join_timeout)", knob=True),
     ConfKey("last_call_timeout", None, "seconds: torch's last call; with --nnodes MIN:MAX paid on every round "
-                                       "(torch's default 30; [launch] last_call_timeout)"),
+                                       "(torch's default 30; under resilient launch one setting with "
+                                       "launch.last_call_timeout)", knob=True),
     ConfKey("close_timeout", None, "seconds: torch's close timeout (torch's default 30)"),
     ConfKey("heartbeat_timeout", None, "seconds: torch's rendezvous heartbeat timeout, after which a silent node "
                                        "is dropped from the round (not the agent's worker heartbeat)"),
-    ConfKey("keep_alive_interval", 5.0, "seconds between a node's rendezvous keep-alives ([launch] "
-                                        "keep_alive_interval)"),
+    ConfKey("keep_alive_interval", 5.0, "seconds between a node's rendezvous keep-alives (under resilient "
+                                        "launch one setting with launch.keep_alive_interval)", knob=True),
     ConfKey("keep_alive_max_attempt", 3, "keep-alives a node may miss before the others drop it"),
     ConfKey("poll_interval", 0.1, "seconds between reads of the shared state by a joining or waiting node "
                                   "(torch's: 1)"),

@@ -224,3 +224,29 @@ def test_a_run_config_is_run_by_the_program_installed_for_it(monkeypatch):
     monkeypatch.setattr(md, "entry_points", lambda group=None: two if group == launch.PROGRAMS else real(group=group))
     with pytest.raises(LaunchError, match=r"several programs .*\(a, b"):
         launch.config_program()
+
+
+def test_rdzv_conf_keys_that_are_launch_knobs_set_the_knob(tmp_path, script):
+    """--rdzv-conf join_timeout (torchrun's spelling) and launch.join_timeout are one setting:
+    the agent's waits and the rendezvous use the same value, range-checked as the knob."""
+    def run(*argv: str) -> dict:
+        r = launch.prepare_run(parse_args(["--run-dir", str(tmp_path / "run"), "--node-id", "n1", *argv]), gpt_program)
+        return json.loads(r.runtime_config.read_text())["launch"]
+
+    got = run("--rdzv-conf", "join_timeout=90,last_call_timeout=0.5,keep_alive_interval=2,key_prefix=/x", script)
+    assert (got["join_timeout"], got["last_call_timeout"], got["keep_alive_interval"]) == (90.0, 0.5, 2.0)
+    assert run("--set", "launch.join_timeout=30", script)["join_timeout"] == 30.0
+    from resilient.errors import ConfigError
+    with pytest.raises(ConfigError, match="join_timeout"):
+        run("--rdzv-conf", "join_timeout=-5", script)
+    with pytest.raises(LaunchUsageError, match="expected seconds"):
+        run("--rdzv-conf", "join_timeout=soon", script)
+
+
+def test_the_rdzv_conf_keys_that_set_knobs_are_the_ones_the_rendezvous_marks():
+    from resilient.launch_args import RDZV_CONF_KNOBS
+    from resilient.rendezvous.registry import RDZV_CONF
+    from resilient.runconfig import LaunchConfig
+
+    marked = {k.name for k in RDZV_CONF.values() if k.knob}
+    assert marked == set(RDZV_CONF_KNOBS) and marked <= set(vars(LaunchConfig()))
