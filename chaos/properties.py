@@ -240,6 +240,18 @@ def _slow_nodes(timeline: list[dict], f: dict, node_id: Callable[[int], str]) ->
     return [n for n in ends if n in live] or None
 
 
+def _probe_said(p: dict) -> str:
+    """One unconfirmed probe, in a line: what was suspected at which step, the compute seconds
+    per rank and, for a link, the ring edges' round trips and where a first probe put it."""
+    ev = p.get("evidence") or {}
+    line = f"step {p.get('step')} {p.get('suspected')} rank {p.get('slow_rank')} probe {ev.get('probe_compute_seconds')}"
+    if p.get("suspected") == "link":
+        line += f" edges {ev.get('probe_edge_seconds')} slow {ev.get('slow_edges')}"
+        if "unconfirmed_at" in ev:
+            line += f", first at {ev['unconfirmed_at']}, second at {(ev.get('second_probe') or {}).get('slow_node')}"
+    return line
+
+
 def stragglers_found(timeline: list[dict], within_steps: int, node_id: Callable[[int], str],
                      workers_per_node: int = 2) -> PropertyResult:
     """See the module doc. ``node_id(i)``: the node id of agent ``i``."""
@@ -279,9 +291,7 @@ def stragglers_found(timeline: list[dict], within_steps: int, node_id: Callable[
             other = [f"{v.get('cause')} rank {v.get('slow_rank')} node {v.get('slow_node')}" for v in verdicts[:3]]
             # Suspicions the probe did not confirm say why nothing was named (the probe's
             # compute seconds per rank against the factor it needed).
-            probes = [f"step {p.get('step')} rank {p.get('slow_rank')} probe "
-                      f"{(p.get('evidence') or {}).get('probe_compute_seconds')}"
-                      for p in timeline if p.get("event") == "failslow_probe" and p["time"] >= t0][:3]
+            probes = [_probe_said(p) for p in timeline if p.get("event") == "failslow_probe" and p["time"] >= t0][:3]
             bad.append(f"{f.get('fault_id')} ({kind} {target}): no straggler event named it as {want} "
                        f"in {len(steps)} step(s)" + (f" (got: {'; '.join(other)})" if other else "")
                        + (f" (probes not confirmed: {'; '.join(probes)})" if probes else ""))

@@ -18,15 +18,20 @@ bandwidth limit: existing injectors, new kinds in :mod:`chaos.scenario`.
 The effect is observed, not assumed: ``inject`` returns once the kernel shows
 every target stopped in the first cycle, and the record's detail ends with
 the duty cycle actually achieved (stopped share of the wall time, and the
-slowdown factor it amounts to), measured by the injector's own clock.
+slowdown factor it amounts to), measured by the injector's own clock. The cycle
+runs in a process of its own (:mod:`chaos.dutycycle`, which says why), so that
+a loaded host does not leave the targets running unstopped between its signals.
 """
 
 from __future__ import annotations
 
+import json
 import signal
-import threading
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -52,10 +57,10 @@ class SlowProcess(Injector):
         self.kind = "slow-host" if tree else "slow-rank"
         self.procs: list[psutil.Process] = []
         self.pids: list[int] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._cycler: subprocess.Popen | None = None
         self.stopped_seconds = 0.0
-        self.started = 0.0
+        self.started = self.ended = 0.0
+        self.late_max, self.realtime = 0.0, False
 
     def _targets(self) -> list[psutil.Process]:
         procs = _procs_of(self.source, self.tree)
@@ -91,36 +96,50 @@ class SlowProcess(Injector):
                 raise InjectionFailed(f"SIGSTOP sent but pids {self.pids} not all stopped within {self.settle}")
             time.sleep(0.001)
         _signal_all(self.procs, signal.SIGCONT)
-        self.started = time.monotonic()
-        self._thread = threading.Thread(target=self._cycle, name=f"slow-{self.fault_id}", daemon=True)
-        self._thread.start()
+        self._start_cycle()
         return (f"SIGSTOP/SIGCONT duty cycle on pids {self.pids}: stopped {1 - 1 / self.factor:.0%} of every "
                 f"{self.period.total_seconds() * 1e3:.0f} ms (slow-down x{self.factor:g}); first stop observed")
 
-    def _cycle(self) -> None:
+    def _start_cycle(self) -> None:
+        """The cycle runs in a process of its own (chaos/dutycycle.py says why), told what to
+        stop on its stdin; closing that (or this process dying) ends it."""
         period = self.period.total_seconds()
-        off = period * (1.0 - 1.0 / self.factor)
-        nxt = time.monotonic()
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            _signal_all(self.procs, signal.SIGSTOP)
-            self._stop.wait(off)
-            _signal_all(self.procs, signal.SIGCONT)
-            self.stopped_seconds += time.monotonic() - t0
-            nxt += period
-            self._stop.wait(max(0.0, nxt - time.monotonic()))
-            nxt = max(nxt, time.monotonic() - period)   # after a late wake-up, do not try to catch up
+        spec = {"pids": [[p.pid, p.create_time()] for p in self.procs if p.is_running()],
+                "period": period, "off": period * (1.0 - 1.0 / self.factor)}
+        self._cycler = subprocess.Popen([sys.executable, str(Path(__file__).with_name("dutycycle.py"))],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._cycler.stdin is not None
+        self._cycler.stdin.write(json.dumps(spec) + "\n")
+        self._cycler.stdin.flush()
+        self.started = time.monotonic()
+
+    def _stop_cycle(self) -> None:
+        cycler, self._cycler = self._cycler, None
+        if cycler is None:
+            return
+        try:
+            out, _ = cycler.communicate(input="", timeout=self.settle.total_seconds())
+            report = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+        except (subprocess.TimeoutExpired, ValueError):
+            cycler.kill()
+            cycler.wait()
+            report = {}
+        self.ended = time.monotonic()
+        self.stopped_seconds = float(report.get("stopped_seconds", self.stopped_seconds))
+        self.late_max = float(report.get("late_max", 0.0))
+        self.realtime = bool(report.get("realtime", False))
 
     @property
     def achieved_factor(self) -> float:
-        """The slow-down the duty cycle achieved so far: wall / (wall - stopped)."""
-        wall = time.monotonic() - self.started if self.started else 0.0
+        """The slow-down the duty cycle achieved: wall / (wall - stopped), over the injection
+        (known once it is cleared)."""
+        if not self.started:
+            return 1.0
+        wall = (self.ended or time.monotonic()) - self.started
         return wall / max(1e-9, wall - self.stopped_seconds) if wall > 0 else 1.0
 
     def _clear(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.settle.total_seconds())
+        self._stop_cycle()
         _signal_all(self.procs, signal.SIGCONT)
         deadline = time.monotonic() + self.settle.total_seconds()
         while self._any_stopped():
@@ -128,7 +147,9 @@ class SlowProcess(Injector):
                 raise InjectionFailed(f"SIGCONT sent but some of pids {self.pids} are still stopped")
             time.sleep(0.005)
         if self.record is not None:
-            self.record.detail += f"; achieved x{self.achieved_factor:.2f} over {time.monotonic() - self.started:.1f} s"
+            self.record.detail += (f"; achieved x{self.achieved_factor:.2f} over {self.ended - self.started:.1f} s"
+                                   f" (a cycle late by {self.late_max * 1e3:.0f} ms at most"
+                                   f"{', real-time priority' if self.realtime else ''})")
 
 
 class AgentStall(SlowProcess):

@@ -161,7 +161,9 @@ params = {{ {params} }}
     proc = run_chaos("run", str(path), "--out", str(out))
     report = (out / "faulted" / "report.md").read_text()
     props = results(out)
-    assert proc.returncode == 0 and props["stragglers_found"]["ok"], f"{proc.stdout}\n{proc.stderr[-3000:]}\n{report}"
+    # the verdict's detail first: a long report is cut in the middle where CI prints it
+    assert proc.returncode == 0 and props["stragglers_found"]["ok"], \
+        f"{props['stragglers_found']['detail']}\n{proc.stdout}\n{proc.stderr[-3000:]}\n{report}"
     want = {"slow-rank": "device", "slow-link": "link"}[name]
     assert f"{want} after" in props["stragglers_found"]["detail"], props["stragglers_found"]
     evs = list(read_events(out / "faulted" / "events.jsonl"))

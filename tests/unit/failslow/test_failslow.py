@@ -563,6 +563,13 @@ def test_the_chaos_property_wants_the_right_cause_and_target_within_the_bound():
         cut.append({"event": "failure", "node": "n0", "time": 10.0 + at})
         got = stragglers_found(sorted(cut, key=lambda e: e["time"]), 5, node_id)
         assert got.ok is ok and ("re-formed after 3 step(s)" in got.detail) is ok, got.detail
+    # a miss says what the probes saw: for a link, the edges and where each of two probes put it
+    unconfirmed = timeline(kind="slow-link", target="node:1")
+    unconfirmed.append({"event": "failslow_probe", "step": 4, "suspected": "link", "located": False, "time": 14.5,
+                        "evidence": {"probe_compute_seconds": [0.07, 0.07, 0.07], "probe_edge_seconds": [0.3, 0.002, 0.4],
+                                     "slow_edges": [[0, 1]], "unconfirmed_at": "n1", "second_probe": {"slow_node": "n0"}}})
+    got = stragglers_found(sorted(unconfirmed, key=lambda e: e["time"]), 5, node_id)
+    assert not got.ok and "edges [0.3, 0.002, 0.4] slow [[0, 1]], first at n1, second at n0" in got.detail, got.detail
 
 
 @given(st.lists(st.floats(0.0, 10.0), min_size=2, max_size=12))
