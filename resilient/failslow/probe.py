@@ -11,9 +11,11 @@ boundary, is acted on by every rank there), once per suspicion, off the hot path
    ``COMPUTE_ROUNDS`` rounds, each timed (minus the run-queue delay: a shared
    host's CPU contention is not the rank's own slowness); the fastest round
    counts. On CPU the ranks of one machine take their rounds in turns (ranks
-   side by side on shared cores time each other). Each round spans several
-   periods of a duty-cycled stall, so a slow process is slow in all of them;
-   another job's burst slows some rounds, not all.
+   side by side on shared cores time each other). A round (~18 ms on a CPU
+   core) outlasts a run window of a duty-cycled stall (10 ms of every 20 ms
+   at 2x, the chaos harness's slow device), so it holds at least one whole
+   stop and a slow process is slow in all of them (x1.5 at least); another
+   job's burst slows some rounds, not all.
 2. **edges**: each ring edge (ranks ``r`` and ``r + 1``) timed on its own, as a
    round trip: one ``PAYLOAD``-byte message each way, ``EDGE_REPS`` times, timed
    by the pair's first rank, in two or three phases of disjoint pairs. A lossy
@@ -173,8 +175,9 @@ def _compute_in_turns(group: Any, rank: int, world: int, device: Any) -> float:
     85 ms for the same work, steadily, 64-67 ms alone: 1.3x, the probe's own threshold, and a
     CI run judged a clean probe a slow device at 1.34x); and one rank's turn can meet another
     job's burst (a clean probe timed one at a time came out 101, 89 and 67 ms), which its other
-    rounds, spread over the passes, do not. A process stopped in 10 ms periods (a duty-cycled
-    stall, the chaos harness's slow device) is slow in every round. Costs ranks-per-machine
+    rounds, spread over the passes, do not. A process stopped in a duty cycle whose run windows are
+    shorter than a round (the chaos harness's slow device: chaos/dutycycle.py keeps them so on a
+    loaded host) is slow in every round. Costs ranks-per-machine
     times ~40 ms on CPU."""
     import torch
     import torch.distributed as dist
