@@ -141,14 +141,19 @@ class VersionAuth:
         got = self._gmac(step, attempt_of(chunk.object)).encrypt(nonce, b"", raw)
         return hmac.compare_digest(got, tag)
 
+    def gmac_stream(self, step: int, attempt: str, nonce: bytes) -> Any:
+        """A chunk's GMAC over bytes that come in pieces, under the version's chunk key:
+        ``authenticate_additional_data`` each piece, then ``finalize()``; its ``tag``."""
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        key = self.secret.mac(CHUNK_PURPOSE, b"%d" % step, attempt.encode())[:16]
+        return Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+
     def chunk_mac_pieces(self, step: int, attempt: str, pieces, nonce: bytes | None = None) -> str:
         """:meth:`chunk_mac` over raw bytes that come in pieces (a compressed chunk inflated a
         bounded piece at a time: ``ckpt verify`` and ``ckpt sign`` never hold a whole chunk)."""
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-
         nonce = os.urandom(NONCE) if nonce is None else nonce
-        key = self.secret.mac(CHUNK_PURPOSE, b"%d" % step, attempt.encode())[:16]
-        gmac = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+        gmac = self.gmac_stream(step, attempt, nonce)
         for p in pieces:
             gmac.authenticate_additional_data(p)
         gmac.finalize()
@@ -188,6 +193,81 @@ class VersionAuth:
                 f"{self.fingerprint}): forged or tampered with, or written by a job with another secret; it is "
                 "not loaded", where)
         return body
+
+
+def object_macs(tiled: dict[str, list[tuple[int, int, str, Any]]]) -> dict[str, list[list]]:
+    """``{object: [[offset, length, mac], ...]}`` of the objects in ``tiled``
+    (:func:`~resilient.snapshot.format.tiled_chunks`) whose every chunk carries a chunk MAC:
+    what a push hands the peer to check the part's bytes against (:class:`ChunkStream`)."""
+    return {obj: [[o, n, mac] for o, n, _, mac in chunks] for obj, chunks in tiled.items()
+            if chunks and all(isinstance(mac, str) and _CHUNK_MAC.fullmatch(mac) for *_, mac in chunks)}
+
+
+class ChunkStream:
+    """Checks an object's bytes against its chunks' MACs as the bytes arrive, in order, a piece
+    at a time (each piece checked while it is in the cache): a peer receiving a replica
+    (:mod:`~resilient.snapshot.peer`) checks the tags its rank computed at capture instead of
+    the sender tagging every piece again, so the bytes are authenticated end to end, from the
+    capture to the store that keeps them, in one pass on the receiving side and none on the
+    sending side. ``chunks``: ``[[offset, length, "gmac:..."], ...]`` tiling ``[0, size)``
+    (:func:`object_macs`); ``step``/``attempt``: the version the receiver stores the object in,
+    whose key the tags must verify under (bytes of another version, or another attempt, fail).
+    A malformed list is a ``ValueError`` at once; :meth:`ok` after the last byte says whether
+    every chunk verified."""
+
+    def __init__(self, auth: VersionAuth, step: int, attempt: str, chunks: Any, size: int):
+        if not isinstance(chunks, list):
+            raise ValueError("chunk MACs: not a list")
+        parsed, end = [], 0
+        for c in chunks:
+            if not (isinstance(c, list) and len(c) == 3 and type(c[0]) is int and type(c[1]) is int
+                    and c[0] == end and c[1] >= 0 and isinstance(c[2], str)):
+                raise ValueError(f"chunk MACs: {c!r} does not follow byte {end}")
+            m = _CHUNK_MAC.fullmatch(c[2])
+            if m is None:
+                raise ValueError(f"chunk MACs: {c[2]!r} is not a chunk MAC")
+            parsed.append((c[0], c[1], bytes.fromhex(m.group(1)), bytes.fromhex(m.group(2))))
+            end += c[1]
+        if end != size:
+            raise ValueError(f"chunk MACs cover {end} bytes of {size}")
+        self._auth, self._step, self._attempt = auth, step, attempt
+        self._aes = auth._gmac(step, attempt)
+        self._chunks, self._i, self._ctx, self.bad = parsed, 0, None, None
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self._i < len(self._chunks) and self._chunks[self._i][1] == 0:
+            self._verify(self._aes.encrypt(self._chunks[self._i][2], b"", b""))
+
+    def _verify(self, got: bytes) -> None:
+        offset, _, _, tag = self._chunks[self._i]
+        if self.bad is None and not hmac.compare_digest(got, tag):
+            self.bad = offset
+        self._i += 1
+
+    def feed(self, offset: int, view: Any) -> None:
+        """The object's bytes at ``offset``, the next ones after the last fed."""
+        pos, end = offset, offset + len(view)
+        while pos < end and self._i < len(self._chunks):
+            start, length, nonce, _ = self._chunks[self._i]
+            stop = start + length
+            a, b = pos - offset, min(end, stop) - offset
+            if self._ctx is None and pos == start and stop <= end:
+                self._verify(self._aes.encrypt(nonce, b"", view[a:b]))   # the whole chunk: one call
+            else:   # a chunk across pieces: GMAC fed as it comes
+                if self._ctx is None:
+                    self._ctx = self._auth.gmac_stream(self._step, self._attempt, nonce)
+                self._ctx.authenticate_additional_data(view[a:b])
+                if offset + b == stop:
+                    self._ctx.finalize()
+                    tag, self._ctx = self._ctx.tag, None
+                    self._verify(tag)
+            pos = offset + b
+            self._skip_empty()
+
+    def ok(self) -> bool:
+        """Every chunk fed and verified."""
+        return self.bad is None and self._i == len(self._chunks) and self._ctx is None
 
 
 def check_chunk(auth: VersionAuth | None, step: int, chunk: ChunkRecord, stored: Any, where: str,

@@ -144,38 +144,55 @@ def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
 
 
-def object_crcs(doc: bytes | str | dict) -> dict[str, tuple[int, int]]:
-    """``{object: (crc, size)}`` for each object named by the rank manifest ``doc`` whose
-    chunks tile it from byte 0 without gaps or overlaps (every part, as the writers lay
-    them out): its CRC-32C combined from the chunks' checksums, i.e. of the bytes as they
-    were captured, not as a file holds them now, and the size they add up to.
-
-    Reads only the fields it needs, without :func:`manifest_from_json`'s checks (5 ms
-    for the demo's 156 chunks: more than checksumming the parts). An object it cannot
-    vouch for is left out (a manifest it cannot read gives ``{}``): the caller then
-    checksums the file itself, and a restore judges the manifest. ``doc`` may be the
+def tiled_chunks(doc: bytes | str | dict) -> dict[str, list[tuple[int, int, str, Any]]]:
+    """``{object: [(offset, length, checksum, mac), ...]}`` for each object named by the rank
+    manifest ``doc`` whose chunks tile it from byte 0 without gaps or overlaps (every part, as
+    the writers lay them out), in offset order; ``mac`` is the chunk's ``mac`` field as found
+    (None without one). What the push vouches for a part with (:func:`object_crcs`,
+    :func:`object_macs`), read without :func:`manifest_from_json`'s checks (5 ms for the demo's
+    156 chunks: more than checksumming the parts). An object it cannot vouch for is left out (a
+    manifest it cannot read gives ``{}``); a restore judges the manifest. ``doc`` may be the
     manifest already parsed (``json.loads``), by a caller that reads it for more."""
     by_obj: dict[str, list] = {}
     try:
         for t in (doc if isinstance(doc, dict) else json.loads(doc))["tensors"].values():
             for c in t["chunks"]:
-                by_obj.setdefault(c["object"], []).append((c["offset"], c["length"], c["checksum"]))
+                by_obj.setdefault(c["object"], []).append((c["offset"], c["length"], c["checksum"], c.get("mac")))
     except (ValueError, KeyError, TypeError, AttributeError):
         return {}
     out = {}
     for obj, chunks in by_obj.items():
-        value, end = 0, 0
+        end = 0
         try:
-            for offset, length, check in sorted(chunks):
-                algo, _, hexval = check.partition(":")
-                if (algo != "crc32c" or not _HEX8.fullmatch(hexval) or type(offset) is not int
-                        or type(length) is not int or offset != end or not 0 <= length < 1 << 61):
+            chunks.sort(key=lambda c: (c[0], c[1]))
+            for offset, length, check, _ in chunks:
+                if (type(offset) is not int or type(length) is not int or offset != end
+                        or not 0 <= length < 1 << 61 or not isinstance(check, str)):
                     break
-                value, end = crc_combine(value, int(hexval, 16), length), end + length
+                end += length
             else:
-                out[obj] = (value, end)
-        except (TypeError, AttributeError):  # mixed types in a damaged manifest
+                out[obj] = chunks
+        except TypeError:  # mixed types in a damaged manifest
             continue
+    return out
+
+
+def object_crcs(doc: bytes | str | dict | None = None, *,
+                tiled: dict[str, list[tuple[int, int, str, Any]]] | None = None) -> dict[str, tuple[int, int]]:
+    """``{object: (crc, size)}`` for each object :func:`tiled_chunks` vouches for whose chunks
+    all carry CRC-32Cs: its CRC-32C combined from the chunks' checksums, i.e. of the bytes as
+    they were captured, not as a file holds them now, and the size they add up to. ``tiled``:
+    :func:`tiled_chunks` of the manifest, by a caller that needs it for more."""
+    out = {}
+    for obj, chunks in (tiled_chunks(doc) if tiled is None else tiled).items():
+        value, end = 0, 0
+        for offset, length, check, _ in chunks:
+            algo, _, hexval = check.partition(":")
+            if algo != "crc32c" or not _HEX8.fullmatch(hexval):
+                break
+            value, end = crc_combine(value, int(hexval, 16), length), end + length
+        else:
+            out[obj] = (value, end)
     return out
 
 

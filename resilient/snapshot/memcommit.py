@@ -75,10 +75,10 @@ from typing import Any, Callable
 from resilient.errors import ConfigError
 from resilient.secret import COMMIT, JobSecret, Unauthentic, report_unauthentic
 from resilient.snapshot.api import CommitProtocol, SnapshotCorrupt, SnapshotIncomplete
-from resilient.snapshot.auth import VersionAuth, report as report_auth
+from resilient.snapshot.auth import VersionAuth, object_macs, report as report_auth
 from resilient.snapshot.durable import merge_rank_manifests
 from resilient.snapshot.epoch import EpochFence
-from resilient.snapshot.format import object_crcs, rank_manifest_boxes, version_dir
+from resilient.snapshot.format import object_crcs, rank_manifest_boxes, tiled_chunks, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError
 from resilient.snapshot.etcdcommit import EtcdCommit
@@ -396,10 +396,11 @@ class Replicator:
                     parsed[r] = json.loads(doc)
                 except ValueError:  # no CRCs to vouch for the parts; the commit check reports it
                     pass
-            crcs = object_crcs(parsed[r]) if isinstance(parsed.get(r), dict) else {}
+            tiled = tiled_chunks(parsed[r]) if isinstance(parsed.get(r), dict) else {}
+            crcs, macs = object_crcs(tiled=tiled), object_macs(tiled)
             for rel in parts:
                 obj = rel.removeprefix(f"{version_dir(v.step)}/")
-                sent += c.put_file(rel, self.store.file(rel), crcs.get(obj))
+                sent += c.put_file(rel, self.store.file(rel), crcs.get(obj), macs.get(obj))
             c.put(mrel, doc)
             sent += len(doc)
         return sent

@@ -545,9 +545,13 @@ class AtomicWriter:
         self.crc = crc(data, self.crc)
         self.size += len(data)
 
-    def receive(self, size: int, fill: Callable[[memoryview], None], piece: int) -> None:
+    def receive(self, size: int, fill: Callable[[memoryview], None], piece: int,
+                check: Callable[[int, memoryview], None] | None = None) -> None:
         """Make the file ``size`` bytes and fill it in place, ``fill(view)`` per ``piece``
-        bytes (a socket's ``recv_into``), checksumming each piece while it is in the cache.
+        bytes (a socket's ``recv_into``), checksumming each piece while it is in the cache;
+        or, with ``check``, handing it to ``check(offset, view)`` instead (the chunk MACs of
+        a vouched put: :class:`~resilient.snapshot.auth.ChunkStream`; then :meth:`commit`
+        takes no CRC).
 
         Why a shared mapping (:func:`mapped`): receiving into a buffer and then ``write``
         copies every byte twice; this lands them once (with the sender's CRC taken from the
@@ -557,14 +561,21 @@ class AtomicWriter:
             for i in range(0, size, piece):
                 with whole[i:i + piece] as view:
                     fill(view)
-                    self.crc = crc(view, self.crc)
+                    if check is None:
+                        self.crc = crc(view, self.crc)
+                    else:
+                        check(i, view)
                     self.size += len(view)
 
-    def commit(self, size: int, crc: int) -> None:
+    def commit(self, size: int, crc: int | None) -> None:
+        """Rename into place if ``size`` bytes came with CRC-32C ``crc`` (None: checked
+        otherwise, the size alone here)."""
         self.f.truncate()  # a rewritten spare may have been longer
         self.f.close()
-        if (self.size, self.crc & 0xFFFFFFFF) != (size, crc & 0xFFFFFFFF):
+        if self.size != size or (crc is not None and self.crc & 0xFFFFFFFF != crc & 0xFFFFFFFF):
             self.abort()
+            if crc is None:
+                raise OSError(f"{self.path}: received {self.size} bytes, sender said {size}")
             raise OSError(f"{self.path}: received {self.size} bytes crc32c {self.crc & 0xFFFFFFFF:08x}, "
                           f"sender said {size} bytes crc32c {crc & 0xFFFFFFFF:08x}")
         os.replace(self.tmp, self.path)

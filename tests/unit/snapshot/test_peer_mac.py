@@ -6,12 +6,23 @@ from __future__ import annotations
 
 import socket
 import threading
+from itertools import pairwise
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from resilient.secret import JobSecret
 from resilient.snapshot.api import SnapshotIncomplete
-from resilient.snapshot.peer import PIECE, TAG, PeerClient, PeerError, PeerServer, PeerTampered, _Channel
+from resilient.snapshot.peer import (
+    PIECE,
+    TAG,
+    PeerClient,
+    PeerError,
+    PeerServer,
+    PeerTampered,
+    _Channel,
+)
 
 REL = "step-000000000007/abc123-000001/r00003-p0000.bin"
 SECRET = bytes(range(32))  # the peer_server fixture's (conftest.py)
@@ -229,3 +240,111 @@ def test_a_truncated_push_stores_nothing_and_a_recorded_one_cannot_be_replayed(p
         except OSError:
             pass
     assert not store.file(REL).exists(), "a replayed push was stored"
+
+
+# -- vouched puts: the pieces untagged, checked against the chunk MACs of the capture ----------
+STEP, ATTEMPT = 7, "abc123-000001"     # REL's version
+CUTS = [0, 40000, 40000, 100000, len(PAYLOAD)]   # four chunks, one empty
+
+
+def _vouch(step: int = STEP, attempt: str = ATTEMPT, cuts: list[int] = CUTS) -> list[list]:
+    """The chunk list a push sends for PAYLOAD: each chunk's MAC as its rank computed it."""
+    from resilient.snapshot.auth import VersionAuth
+
+    auth = VersionAuth(SECRET)
+    return [[a, b - a, auth.chunk_mac(step, attempt, PAYLOAD[a:b])] for a, b in pairwise(cuts)]
+
+
+def _put_vouched(srv: PeerServer, tmp_path, macs: list[list], flip: int | None = None) -> tuple[dict, object]:
+    from resilient.snapshot.format import crc
+
+    src = tmp_path / "part.bin"
+    src.write_bytes(PAYLOAD)
+    host, _, port = srv.address.rpartition(":")
+    proxy = FlipProxy((host, int(port)), "c2s", flip)
+    try:
+        with PeerClient(proxy.address, SECRET) as c:
+            try:
+                result = c.put_file(REL, src, (crc(PAYLOAD), len(PAYLOAD)), macs)
+            except PeerError as e:
+                result = e
+    finally:
+        proxy.close()
+    return dict(proxy.counts), result
+
+
+@pytest.mark.parametrize("where", ["header", "payload start", "second chunk", "payload end"])
+def test_a_vouched_put_goes_untagged_and_a_flipped_bit_is_refused(peer_server, tmp_path, where):
+    """A push of a part whose chunks carry MACs sends them in its (tagged) header and the
+    pieces untagged; the peer checks the bytes against the chunk MACs as they arrive. A bit
+    flipped in flight anywhere is refused (the header by its tag, the payload by the MAC of
+    the chunk it struck), and nothing is stored."""
+    store, srv = peer_server
+    counts, ok = _put_vouched(srv, tmp_path, _vouch())
+    assert ok == len(PAYLOAD) and store.read(REL) == PAYLOAD
+    store.file(REL).unlink()
+    payload_at = counts["c2s"] - len(PAYLOAD)   # no tag after the payload: it went untagged
+    offset = {"header": payload_at - 40, "payload start": payload_at, "second chunk": payload_at + 40000 + 5,
+              "payload end": counts["c2s"] - 1}[where]
+    _, err = _put_vouched(srv, tmp_path, _vouch(), flip=offset)
+    assert isinstance(err, PeerError), err
+    if where != "header":
+        assert "refused" in str(err) and "chunk's MAC" in str(err), err
+        struck = 0 if where == "payload start" else 40000 if where == "second chunk" else 100000
+        assert f"from byte {struck} on" in str(err), err
+    assert not store.file(REL).exists()
+
+
+@pytest.mark.parametrize("other", ["step", "attempt"])
+def test_a_vouched_put_of_another_versions_bytes_is_refused(peer_server, tmp_path, other):
+    """Chunk MACs verify under the key of the version the part is stored in: a part of
+    another step or attempt (its own MACs, genuine) cannot be stored as this one's."""
+    store, srv = peer_server
+    macs = _vouch(step=STEP + 1) if other == "step" else _vouch(attempt="abc123-000002")
+    _, err = _put_vouched(srv, tmp_path, macs)
+    assert isinstance(err, PeerError) and "chunk's MAC" in str(err), err
+    assert not store.file(REL).exists()
+
+
+@pytest.mark.parametrize("bad", ["gap", "short", "not a mac", "not a list"])
+def test_a_vouched_put_with_a_malformed_chunk_list_is_dropped(peer_server, tmp_path, bad):
+    """A chunk list that does not tile the part, or is not one: the untagged payload behind it
+    cannot be read safely, so the connection is dropped; nothing is stored, the server serves on."""
+    store, srv = peer_server
+    macs = _vouch()
+    macs = {"gap": lambda: [macs[0], macs[1], macs[3]], "short": lambda: macs[:-1],
+            "not a mac": lambda: [*macs[:-1], [macs[-1][0], macs[-1][1], "crc32c:00000000"]],
+            "not a list": lambda: {"chunks": macs}}[bad]()
+    _, err = _put_vouched(srv, tmp_path, macs)
+    assert isinstance(err, PeerError), err
+    assert not store.file(REL).exists()
+    with PeerClient(srv.address, SECRET) as c:
+        c.put(REL, PAYLOAD)
+        assert c.get(REL) == PAYLOAD
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=8), piece=st.integers(1, 4000),
+       flip=st.one_of(st.none(), st.integers(0, 10 ** 6)))
+def test_the_chunk_stream_checks_any_cut_of_pieces_and_names_the_struck_chunk(sizes, piece, flip):
+    """However the pieces cut the chunks (a chunk across pieces, many in one, empty ones), the
+    stream verifies intact bytes, and a flipped byte fails the chunk it is in, named by its start."""
+    from resilient.snapshot.auth import ChunkStream, VersionAuth
+
+    auth = VersionAuth(SECRET)
+    data = bytearray(PAYLOAD[:sum(sizes)])
+    cuts = [0]
+    for n in sizes:
+        cuts.append(cuts[-1] + n)
+    chunks = [[a, b - a, auth.chunk_mac(STEP, ATTEMPT, bytes(data[a:b]))] for a, b in pairwise(cuts)]
+    struck = None
+    if flip is not None and data:
+        at = flip % len(data)
+        data[at] ^= 0x10
+        struck = max(a for a, b in pairwise(cuts) if a <= at < b)
+    stream = ChunkStream(auth, STEP, ATTEMPT, chunks, len(data))
+    view = memoryview(bytes(data))
+    for i in range(0, len(data), piece):
+        stream.feed(i, view[i:i + piece])
+    assert stream.ok() is (struck is None)
+    assert stream.bad == struck

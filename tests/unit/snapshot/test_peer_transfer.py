@@ -132,11 +132,15 @@ def test_a_full_store_refuses_a_replica_and_keeps_serving():
             store.remove()
 
 
+@pytest.mark.parametrize("signed", [False, True])
 def test_the_agents_push_sends_intact_parts_without_rereading_and_refuses_a_damaged_one(tmp_path, peer,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, signed):
     """``Replicator._push`` (the agent's replication of a rank): parts go out with the CRC
     from the rank manifest, the manifest last; a part damaged in this node's store stops
-    the rank's push before its manifest, so the peer never holds the rank as whole."""
+    the rank's push before its manifest, so the peer never holds the rank as whole. Signed
+    (chunk MACs in the manifest), the parts go with their chunks' MACs, untagged, and the
+    peer refuses the damaged one by its chunk's MAC; unsigned, every piece is tagged and the
+    CRC refuses it."""
     from resilient.snapshot import peer as peer_mod
     from resilient.snapshot.memcommit import Replicator, ReplicatorOptions
 
@@ -146,7 +150,8 @@ def test_the_agents_push_sends_intact_parts_without_rereading_and_refuses_a_dama
     rep = Replicator(src, None, "job", "n0", SECRET, lambda: {}, ReplicatorOptions(), None)
     try:
         state = {"w": torch.randn(3000, 7), "b": torch.arange(50.0)}
-        with Snapshotter(src.url, commit=False, compress="none", chunk_bytes=4000, part_bytes=30000) as snap:
+        with Snapshotter(src.url, commit=False, compress="none", chunk_bytes=4000, part_bytes=30000,
+                         **({"secret": SECRET} if signed else {})) as snap:
             for step in (1, 2):
                 snap.save(step, state)
                 assert snap.wait()
@@ -155,20 +160,25 @@ def test_the_agents_push_sends_intact_parts_without_rereading_and_refuses_a_dama
         expected = []
         put_file = peer_mod.PeerClient.put_file
 
-        def recording(self, rel, path, expect=None):
+        vouched = []
+
+        def recording(self, rel, path, expect=None, macs=None):
             expected.append(expect)
-            return put_file(self, rel, path, expect)
+            vouched.append(macs)
+            return put_file(self, rel, path, expect, macs)
         monkeypatch.setattr(peer_mod.PeerClient, "put_file", recording)
         rep._push("n1", srv.address, v1, [0])
         files = src.rank_files(v1.step, v1.attempt, 0)
         assert len(files) > 2 and all(dest.read(rel) == src.read(rel) for rel in files)
         assert len(expected) == len(files) - 1 and None not in expected  # every part: CRC from the manifest
+        # signed: every part with its chunks' MACs (several chunks a part, tiling it)
+        assert all((m is not None and len(m) > 1) if signed else m is None for m in vouched), vouched
 
         *parts, manifest = src.rank_files(v2.step, v2.attempt, 0)
         damaged = bytearray(src.read(parts[1]))
         damaged[7] ^= 0x01
         src.file(parts[1]).write_bytes(bytes(damaged))
-        with pytest.raises(PeerError, match="refused"):
+        with pytest.raises(PeerError, match="refused.*" + ("chunk's MAC" if signed else "crc32c")):
             rep._push("n1", srv.address, v2, [0])
         assert dest.read(parts[0]) == src.read(parts[0])  # sent before the damaged one
         assert not dest.file(manifest).exists() and not dest.file(parts[1]).exists()
