@@ -85,19 +85,25 @@ class FlipProxy:
             t.join(5)
 
 
-def _exchange(srv: PeerServer, op: str, direction: str = "c2s", flip: int | None = None) -> tuple[dict, object]:
-    """One put or get through the proxy; returns the byte counts and the result (or the error)."""
+def _through_proxy(srv: PeerServer, call, direction: str = "c2s", flip: int | None = None) -> tuple[dict, object]:
+    """``call(client)`` on a client connected through a FlipProxy; the byte counts and the
+    result (or the PeerError)."""
     host, _, port = srv.address.rpartition(":")
     proxy = FlipProxy((host, int(port)), direction, flip)
     try:
         with PeerClient(proxy.address, SECRET) as c:
             try:
-                result = c.put(REL, PAYLOAD) if op == "put" else c.get(REL)
+                result = call(c)
             except PeerError as e:
                 result = e
     finally:
         proxy.close()
     return dict(proxy.counts), result
+
+
+def _exchange(srv: PeerServer, op: str, direction: str = "c2s", flip: int | None = None) -> tuple[dict, object]:
+    """One put or get through the proxy; returns the byte counts and the result (or the error)."""
+    return _through_proxy(srv, lambda c: c.put(REL, PAYLOAD) if op == "put" else c.get(REL), direction, flip)
 
 
 @pytest.mark.parametrize("where", ["header", "payload start", "payload end", "tag"])
@@ -260,17 +266,7 @@ def _put_vouched(srv: PeerServer, tmp_path, macs: list[list], flip: int | None =
 
     src = tmp_path / "part.bin"
     src.write_bytes(PAYLOAD)
-    host, _, port = srv.address.rpartition(":")
-    proxy = FlipProxy((host, int(port)), "c2s", flip)
-    try:
-        with PeerClient(proxy.address, SECRET) as c:
-            try:
-                result = c.put_file(REL, src, (crc(PAYLOAD), len(PAYLOAD)), macs)
-            except PeerError as e:
-                result = e
-    finally:
-        proxy.close()
-    return dict(proxy.counts), result
+    return _through_proxy(srv, lambda c: c.put_file(REL, src, (crc(PAYLOAD), len(PAYLOAD)), macs), "c2s", flip)
 
 
 @pytest.mark.parametrize("where", ["header", "payload start", "second chunk", "payload end"])
