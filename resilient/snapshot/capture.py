@@ -169,29 +169,34 @@ class ChunkSeals:
     chunk waits for that result rather than computing it again."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
         self._done: dict[Any, Any] = {}
-        self._busy: dict[Any, threading.Event] = {}
+        self._busy: set[Any] = set()
 
     def get(self, key: Any, compute) -> Any:
-        while True:
-            with self._lock:
-                if key in self._done:
-                    return self._done[key]
-                event = self._busy.get(key)
-                if event is None:
-                    event = self._busy[key] = threading.Event()
+        # One condition for all chunks, not an Event each: most chunks have one writer, and an
+        # Event per chunk (a lock, a condition, three acquisitions) was a tenth of the writer's
+        # Python per chunk
+        with self._cond:
+            while key not in self._done:
+                if key not in self._busy:
+                    self._busy.add(key)
                     break
-            event.wait()  # another writer computes it (if it failed, this one tries)
+                self._cond.wait()  # another writer computes it (if it failed, this one tries)
+            else:
+                return self._done[key]
         try:
             value = compute()
-            with self._lock:
-                self._done[key] = value
-            return value
-        finally:
-            with self._lock:
-                self._busy.pop(key, None)
-            event.set()
+        except BaseException:
+            with self._cond:
+                self._busy.discard(key)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._busy.discard(key)
+            self._done[key] = value
+            self._cond.notify_all()
+        return value
 
 
 class SlotRing:
