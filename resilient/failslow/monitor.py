@@ -75,6 +75,11 @@ PROBE_RETRY = 4
 # a loaded host a clean edge's round trips can stall on scheduling (10x the fastest edge)
 # while a lossy edge's sample misses its retransmission stalls; one CI campaign named the
 # lossy node's neighbour that way. Two probes that disagree are a link not located (retried).
+# A second probe that locates nothing (no edge past SLOW_EDGE: the lossy path's round trips
+# happened not to stall) neither agrees nor disagrees: a third decides. Why: CI's short
+# slow-link campaign failed so twice (stop 49's CI, and fresh-ci on fbc1745: first probe at
+# n1 with n1's edges 0.32 and 0.21 s against 0.0014 s, the second found every edge alike, and
+# the run ended before the retry's probe).
 # A suspected rank (detector.py) is named only if the probe times its compute at least this
 # much slower than the others': higher than a verdict's own probe check (SLOW_COMPUTE), as
 # the timings alone were not sure (a slowed rank measured 4.9-5.6x in the soak).
@@ -222,6 +227,8 @@ class FailSlowMonitor:
             if j["slow_rank"] is not None:
                 # every rank judges the same all-reduced vectors, so all run the second probe or none
                 again = self._probe()
+                if again["cause"] == "link" and again["slow_node"] is None:
+                    again = self._probe()   # inconclusive: the third decides (see above)
                 if again["cause"] != "link" or again["slow_node"] != j["slow_node"]:
                     j = {**j, "slow_rank": None, "evidence": {
                         **j["evidence"], "unconfirmed_at": j["slow_node"],

@@ -188,6 +188,35 @@ def test_a_device_verdict_the_probe_did_not_bear_out_is_judged_again_and_a_later
     assert kinds == ["failslow_probe", "straggler"], kinds
 
 
+@pytest.mark.parametrize("third,named", [("n1", True), ("n0", False), ("none", False)])
+def test_a_second_probe_that_locates_nothing_leaves_it_to_a_third(tmp_path, monkeypatch, third, named):
+    """A lossy path's round trips stall in some probes, not all: a second probe that finds every
+    edge alike neither confirms nor refutes the first; a third that places the link where the
+    first did names it, one that places it elsewhere (or nowhere) does not (retried)."""
+    from resilient.events import EventLog
+    from resilient.failslow import monitor
+
+    ok = [0.04] * 3
+    at = {"n1": (ok, [0.32, 0.21, 0.0014]), "n0": (ok, [0.05, 0.003, 0.06]), "none": (ok, [0.003, 0.003, 0.003])}
+    probes = iter([at["n1"], at["none"], at[third]])
+    monkeypatch.setattr(monitor, "run_probe", lambda *a: next(probes))
+    mon = monitor.FailSlowMonitor(FailSlowConfig(), group=None, rank=0, world=3, node="n0",
+                                  events=EventLog(tmp_path / "events.jsonl", rank=0))
+    link = Straggler(step=30, cause="link", factor=2.0, slow_rank=None, slow_ranks=[], slow_node=None,
+                     steps_of_evidence=4)
+    try:
+        mon.nodes, mon.courier = ["n0", "n1", "n2"], _Retries()
+        mon._verdict(link, [[0.05, 0.01, 0.0, 0.0, 0.06, 0.0]] * 3)
+        assert next(probes, None) is None   # three probes, no more
+        if named:
+            [(s, _)] = mon.stragglers
+            assert (s.cause, s.slow_node) == ("link", "n1")
+        else:
+            assert mon.stragglers == [] and mon.courier.retried == [([monitor.LINK], monitor.PROBE_RETRY)]
+    finally:
+        mon.close()
+
+
 def test_a_link_is_named_only_where_a_second_probe_places_it_too(tmp_path, monkeypatch):
     """CI once named the neighbour of a lossy node: a clean edge stalled on the loaded host's
     scheduling while a lossy edge's sample missed its retransmission stalls. A located link is
