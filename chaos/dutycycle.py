@@ -5,7 +5,7 @@ psutil, however the chaos package was imported). It reads one JSON line on stdin
 
     {"pids": [[pid, create_time], ...], "period": seconds, "off": seconds}
 
-then, until stdin reaches end of file (its parent closed it, or died), stops the
+then says ``cycling`` on stdout once it has stopped them the first time and, until stdin reaches end of file (its parent closed it, or died), stops the
 processes for ``off`` seconds of every ``period`` and continues them for the rest. At
 the end it continues them all and prints one JSON line: ``stopped_seconds`` (the
 wall time between each stop and its continue, by its own clock), ``cycles``,
@@ -83,6 +83,8 @@ def main() -> None:
             t0 = time.monotonic()
             late_max = max(late_max, t0 - nxt)
             _signal(procs, signal.SIGSTOP)
+            if cycles == 0:
+                print("cycling", flush=True)   # the parent's inject() returns on this line
             done = ended(off)
             _signal(procs, signal.SIGCONT)
             stopped += time.monotonic() - t0

@@ -26,6 +26,7 @@ a loaded host does not leave the targets running unstopped between its signals.
 from __future__ import annotations
 
 import json
+import select
 import signal
 import subprocess
 import sys
@@ -37,6 +38,9 @@ from typing import Any
 import psutil
 
 from .injectors import DEFAULT_SETTLE, InjectionFailed, Injector, PidSource, _procs_of, _signal_all
+
+
+CYCLER_START = timedelta(minutes=1)   # a Python start on a loaded host; the wait ends when it cycles
 
 
 class SlowProcess(Injector):
@@ -108,9 +112,17 @@ class SlowProcess(Injector):
                 "period": period, "off": period * (1.0 - 1.0 / self.factor)}
         self._cycler = subprocess.Popen([sys.executable, str(Path(__file__).with_name("dutycycle.py"))],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self._cycler.stdin is not None
+        assert self._cycler.stdin is not None and self._cycler.stdout is not None
         self._cycler.stdin.write(json.dumps(spec) + "\n")
         self._cycler.stdin.flush()
+        # Return only once it cycles: its interpreter takes a while to start on a loaded host,
+        # and a probe run right after inject() must meet a slow process (CI: a probe taken
+        # before the first cycle found the "slow" rank as fast as the others).
+        ready = select.select([self._cycler.stdout], [], [], CYCLER_START.total_seconds())[0]
+        if not ready or self._cycler.stdout.readline().strip() != "cycling":
+            self._stop_cycle()
+            _signal_all(self.procs, signal.SIGCONT)
+            raise InjectionFailed(f"the duty cycle's process (chaos/dutycycle.py) did not start within {CYCLER_START}")
         self.started = time.monotonic()
 
     def _stop_cycle(self) -> None:
