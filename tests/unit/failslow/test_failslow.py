@@ -188,24 +188,32 @@ def test_a_device_verdict_the_probe_did_not_bear_out_is_judged_again_and_a_later
     assert kinds == ["failslow_probe", "straggler"], kinds
 
 
+def _link_monitor(tmp_path, monkeypatch, probes):
+    """A 3-node monitor (ranks on n0, n1, n2) whose probes return ``probes`` in turn, and a
+    suspected link for its ``_verdict``."""
+    from resilient.events import EventLog
+    from resilient.failslow import monitor
+
+    monkeypatch.setattr(monitor, "run_probe", lambda *a: next(probes))
+    mon = monitor.FailSlowMonitor(FailSlowConfig(), group=None, rank=0, world=3, node="n0",
+                                  events=EventLog(tmp_path / "events.jsonl", rank=0))
+    mon.nodes, mon.courier = ["n0", "n1", "n2"], _Retries()
+    return mon, Straggler(step=30, cause="link", factor=2.0, slow_rank=None, slow_ranks=[], slow_node=None,
+                          steps_of_evidence=4)
+
+
 @pytest.mark.parametrize("third,named", [("n1", True), ("n0", False), ("none", False)])
 def test_a_second_probe_that_locates_nothing_leaves_it_to_a_third(tmp_path, monkeypatch, third, named):
     """A lossy path's round trips stall in some probes, not all: a second probe that finds every
     edge alike neither confirms nor refutes the first; a third that places the link where the
     first did names it, one that places it elsewhere (or nowhere) does not (retried)."""
-    from resilient.events import EventLog
     from resilient.failslow import monitor
 
     ok = [0.04] * 3
     at = {"n1": (ok, [0.32, 0.21, 0.0014]), "n0": (ok, [0.05, 0.003, 0.06]), "none": (ok, [0.003, 0.003, 0.003])}
     probes = iter([at["n1"], at["none"], at[third]])
-    monkeypatch.setattr(monitor, "run_probe", lambda *a: next(probes))
-    mon = monitor.FailSlowMonitor(FailSlowConfig(), group=None, rank=0, world=3, node="n0",
-                                  events=EventLog(tmp_path / "events.jsonl", rank=0))
-    link = Straggler(step=30, cause="link", factor=2.0, slow_rank=None, slow_ranks=[], slow_node=None,
-                     steps_of_evidence=4)
+    mon, link = _link_monitor(tmp_path, monkeypatch, probes)
     try:
-        mon.nodes, mon.courier = ["n0", "n1", "n2"], _Retries()
         mon._verdict(link, [[0.05, 0.01, 0.0, 0.0, 0.06, 0.0]] * 3)
         assert next(probes, None) is None   # three probes, no more
         if named:
@@ -222,20 +230,14 @@ def test_a_link_is_named_only_where_a_second_probe_places_it_too(tmp_path, monke
     scheduling while a lossy edge's sample missed its retransmission stalls. A located link is
     probed again; two probes that disagree are a link not located (retried), two that agree
     name it."""
-    from resilient.events import EventLog
     from resilient.failslow import monitor
 
     ok = [0.04] * 3
     at_n0 = (ok, [0.05, 0.003, 0.06])    # the lossy (1, 2) sample lucky, the clean (2, 0) stalled
     at_n1 = (ok, [0.09, 0.12, 0.0011])   # n1's two pairs slow
     probes = iter([at_n0, at_n1, at_n1, at_n1])
-    monkeypatch.setattr(monitor, "run_probe", lambda *a: next(probes))
-    mon = monitor.FailSlowMonitor(FailSlowConfig(), group=None, rank=0, world=3, node="n0",
-                                  events=EventLog(tmp_path / "events.jsonl", rank=0))
-    link = Straggler(step=30, cause="link", factor=2.0, slow_rank=None, slow_ranks=[], slow_node=None,
-                     steps_of_evidence=4)
+    mon, link = _link_monitor(tmp_path, monkeypatch, probes)
     try:
-        mon.nodes, mon.courier = ["n0", "n1", "n2"], _Retries()
         mon._verdict(link, [[0.05, 0.01, 0.0, 0.0, 0.06, 0.0]] * 3)
         assert mon.stragglers == [] and mon.courier.retried == [([monitor.LINK], monitor.PROBE_RETRY)]
         mon._verdict(link, [[0.05, 0.01, 0.0, 0.0, 0.06, 0.0]] * 3)
