@@ -2,7 +2,6 @@
 
     resilient launch [OPTIONS] SCRIPT [ARGS...] | -m MODULE [ARGS...]
     resilient launch CONFIG [--run-dir DIR] [--set k=v ...]
-    resilient data prepare SRC OUT
     resilient config [CONFIG] [--explain] [--set k=v ...]
     resilient ckpt ls|inspect|verify|reshard|convert|import|diff|gc ...
     resilient chaos run SCENARIO [--out DIR] | report DIR
@@ -11,7 +10,10 @@
     resilient store ls|drop [RUN_ID] [--node N] [--store-dir DIR]
 
 Each subcommand's code lives in its own module; this file only parses the
-first word and maps typed errors to a one-line message and exit code 2.
+first word and maps typed errors to a one-line message and exit code 2. The program
+installed to run run configs (:class:`resilient.launch.ProgramPlugin`: the built-in GPT)
+reads them for ``config`` and ``doctor`` and adds its own commands (the GPT's
+``resilient data prepare SRC OUT``).
 """
 
 from __future__ import annotations
@@ -45,18 +47,10 @@ def _cmd_launch(argv: list[str]) -> int:
             discard_early(early)
 
 
-def _cmd_data(argv: list[str]) -> int:
-    from resilient.gpt.data import main_prepare
-
-    if not argv or argv[0] != "prepare":
-        print("usage: resilient data prepare SRC OUT [--max-bytes N]", file=sys.stderr)
-        return 2
-    return main_prepare(argv[1:])
-
-
 def _cmd_config(argv: list[str]) -> int:
-    from resilient.gpt.config import explain_all, load_config
+    from resilient.launch import config_program
 
+    plugin = config_program()   # the program that reads run configs (the built-in GPT), if installed
     ap = argparse.ArgumentParser(prog="resilient config", description="Show a resolved config, or every knob.")
     ap.add_argument("config", nargs="?", help="run config (TOML)")
     ap.add_argument("--explain", action="store_true", help="list every knob with its default and documentation, then the --rdzv-conf keys and the "
@@ -68,16 +62,35 @@ def _cmd_config(argv: list[str]) -> int:
         from resilient.contract import explain_environment
         from resilient.rendezvous.registry import explain_rdzv_conf
 
-        print(explain_all())
+        print(plugin.explain() if plugin else runtime_knobs())
         print("\n# --rdzv-conf keys (resilient launch and torchrun --rdzv-backend etcd3): key = default  # meaning")
         print("\n".join(explain_rdzv_conf()))
         print("\n# environment variables the runtime reads")
         print("\n".join(explain_environment()))
         return 0
-    cfg = load_config(args.config, args.overrides)
-    cfg.validate_layout(args.world_size or cfg.default_world_size())
-    print(json.dumps(cfg.to_dict(), indent=1))
+    print(json.dumps(_resolve(plugin, args.config, args.overrides, args.world_size), indent=1))
     return 0
+
+
+def runtime_knobs() -> str:
+    """Every knob of a runtime config ([snapshot], [launch], [sdc], [failslow]), a line each."""
+    from resilient.configbase import explain
+    from resilient.runconfig import RuntimeConfig
+
+    return "\n".join(explain(RuntimeConfig))
+
+
+def _resolve(plugin, path: str | None, overrides: list[str], world_size: int | None) -> dict:
+    """A runtime config as resolved, or a program's run config (its layout checked)."""
+    from resilient.runconfig import is_runtime_config, load_runtime_config
+
+    if is_runtime_config(path, overrides):
+        return load_runtime_config(path, overrides).to_dict()
+    if plugin is None:
+        from resilient.launch import no_program
+
+        raise no_program(path or "resilient config")
+    return plugin.resolve(path, overrides, world_size)
 
 
 def _cmd_ckpt(argv: list[str]) -> int:
@@ -94,9 +107,10 @@ def _cmd_chaos(argv: list[str]) -> int:
 
 def _cmd_doctor(argv: list[str]) -> int:
     from resilient.commands.doctor import main as doctor_main
-    from resilient.gpt.config import load_config  # the GPT's configs: handed down (the runtime never imports the trainer)
+    from resilient.launch import config_program
 
-    return doctor_main(argv, load_config)
+    plugin = config_program()   # a run config's program, handed down (the runtime never imports the trainer)
+    return doctor_main(argv, plugin.preflight if plugin else None)
 
 
 def _cmd_status(argv: list[str]) -> int:
@@ -124,39 +138,50 @@ COMMANDS = {
     "status": (_cmd_status, "a live view of a job: members, round, commits, failures, recoveries, goodput"),
     "quarantine": (_cmd_quarantine, "list or clear nodes quarantined for silent data corruption or marked slow"),
     "store": (_cmd_store, "list or drop the node stores (RAM) that stopped agents kept on this machine"),
-    "data": (_cmd_data, "prepare a token corpus"),
     "config": (_cmd_config, "show or explain a run config"),
     "doctor": (_cmd_doctor, "check this node (shm, open files, etcd, clock, disk, GPUs) before launching"),
 }
 
 
-def _usage() -> str:
+def _commands() -> dict:
+    """The built-in commands, then those of the installed program (``resilient data``: the GPT's);
+    a program's command never shadows a built-in one."""
+    from resilient.launch import config_program
+
+    plugin = config_program()
+    added = {name: (c.run, c.doc) for name, c in (plugin.commands if plugin else {}).items() if name not in COMMANDS}
+    return {**COMMANDS, **added}
+
+
+def _usage(commands: dict) -> str:
     lines = ["usage: resilient COMMAND [ARGS]", "", "commands:"]
-    lines += [f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += [f"  {name:<8} {doc}" for name, (_, doc) in commands.items()]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0 if argv else 2
-    if argv[0] == "--version":
-        from resilient import __version__
-
-        print(__version__)
-        return 0
-    cmd = COMMANDS.get(argv[0])
-    if cmd is None:
-        print(f"resilient: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
     try:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(_usage(_commands()))
+            return 0 if argv else 2
+        if argv[0] == "--version":
+            from resilient import __version__
+
+            print(__version__)
+            return 0
+        # The installed program's commands are looked up only for a word that is not built in:
+        # `resilient launch` pays no entry-point scan.
+        cmd = COMMANDS.get(argv[0]) or _commands().get(argv[0])
+        if cmd is None:
+            print(f"resilient: unknown command {argv[0]!r}\n\n{_usage(_commands())}", file=sys.stderr)
+            return 2
         return cmd[0](argv[1:])
     except ResilientError as e:
-        print(f"resilient {argv[0]}: error: {e}", file=sys.stderr)
+        print(f"resilient {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"resilient {argv[0]}: interrupted", file=sys.stderr)
+        print(f"resilient {argv[0] if argv else ''}: interrupted", file=sys.stderr)
         return 130
 
 

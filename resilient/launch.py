@@ -7,9 +7,10 @@ Two forms, one per node, like ``torchrun``::
 
 The form decides the :class:`Program`, what the workers run: the script under
 :mod:`resilient.agent.script` (:func:`script_program`), or, for a run config, the program
-installed under the entry-point group ``resilient.programs`` (:func:`config_program`: the
-built-in GPT registers ``resilient.gpt.program:gpt_program`` there; the runtime never names
-or imports the trainer, and a trainer of your own plugs in the same way). Everything else
+installed under the entry-point group ``resilient.programs`` (:func:`config_program`, a
+:class:`ProgramPlugin`: the built-in GPT registers ``resilient.gpt.program:GPT`` there, with
+its ``resilient data`` command; the runtime never names or imports the trainer, and a trainer
+of your own plugs in the same way). Everything else
 is shared: every check runs before anything starts; the runtime config
 (``[snapshot]``, ``[sdc]``, ``[launch]``) is written to the run dir as JSON
 for the workers (``RESILIENT_RUNTIME_CONFIG``); then etcd is found and a
@@ -42,7 +43,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from resilient.contract import SCRIPT_ENTRY, check_name, default_run_id, events_path
 from resilient.errors import ConfigError, LaunchError, ResilientError
@@ -234,13 +235,39 @@ class Run:
 ProgramFactory = Callable[[argparse.Namespace], Program]
 
 
+@dataclass(frozen=True)
+class Command:
+    """A subcommand a program adds to the ``resilient`` command line (the built-in GPT's
+    ``resilient data``): ``run(argv) -> exit code``, typed errors printed by the dispatcher."""
+
+    run: Callable[[list[str]], int]
+    doc: str                        # one line for ``resilient --help``
+
+
+@dataclass(frozen=True)
+class ProgramPlugin:
+    """All the command line knows of a program that runs run configs: the public plug-in
+    interface a trainer registers under :data:`PROGRAMS`. The runtime never names the trainer;
+    without one installed, ``resilient config`` and ``doctor`` handle runtime configs only."""
+
+    program: ProgramFactory         # resilient launch CONFIG.toml
+    # resilient config [CONFIG] [--set ...] [--world-size N]: (path, overrides, world size or None)
+    # -> the resolved run config as JSON, its layout checked for that world size (else its default).
+    resolve: Callable[[str | None, list[str], int | None], dict]
+    explain: Callable[[], str]      # every knob of its run config, a line each: resilient config --explain
+    # resilient doctor CONFIG: (path, overrides) -> (its runtime sections, the model's parameters
+    # or None, the device it trains on: cpu, cuda, auto).
+    preflight: Callable[[str | None, list[str]], tuple[Any, int | None, str]]
+    commands: Mapping[str, Command] = dataclasses.field(default_factory=dict)
+
+
 # The entry-point group of the programs that run a run config (``resilient launch CONFIG.toml``):
-# ``NAME = "package.module:factory"``, a factory ``(args) -> Program`` (the built-in GPT's is
-# resilient.gpt.program:gpt_program, registered in pyproject.toml).
+# ``NAME = "package.module:PLUGIN"``, a :class:`ProgramPlugin` (the built-in GPT's is
+# resilient.gpt.program:GPT, registered in pyproject.toml).
 PROGRAMS = "resilient.programs"
 
 
-def config_program() -> ProgramFactory | None:
+def config_program() -> ProgramPlugin | None:
     """The program installed to run a run config, or None when there is none. With several
     installed the choice would be a guess: a :class:`LaunchError` names them."""
     from importlib.metadata import entry_points
@@ -249,7 +276,23 @@ def config_program() -> ProgramFactory | None:
     if len(found) > 1:
         raise LaunchError(f"several programs are installed to run a run config ({', '.join(sorted(found))}, "
                           f"entry-point group {PROGRAMS!r}): uninstall all but one, or launch a script instead")
-    return next(iter(found.values())).load() if found else None
+    if not found:
+        return None
+    (name, ep), = found.items()
+    plugin = ep.load()
+    if not isinstance(plugin, ProgramPlugin):
+        raise LaunchError(f"the program {name!r} installed under {PROGRAMS!r} ({ep.value}) is a "
+                          f"{type(plugin).__name__}, not a resilient.launch.ProgramPlugin: reinstall it, or "
+                          f"uninstall it (pip uninstall) and launch a script instead")
+    return plugin
+
+
+def no_program(what: str) -> LaunchError:
+    """The error of a run config given where no program is installed to read it."""
+    return LaunchError(f"{what}: no program is installed to run a run config with (entry-point group "
+                       f"{PROGRAMS!r}; the built-in GPT registers itself there: a checkout whose install is "
+                       f"older than its code needs `pip install -e .` again); or launch a script instead "
+                       f"(resilient launch [OPTIONS] SCRIPT [ARGS...])")
 
 
 def prepare_run(args: argparse.Namespace, program_factory: ProgramFactory | None = None) -> Run:
@@ -263,13 +306,12 @@ def prepare_run(args: argparse.Namespace, program_factory: ProgramFactory | None
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
     if args.form == "gpt":
-        factory = program_factory or config_program()
-        if factory is None:
-            raise LaunchError(f"{args.config}: no program is installed to run a run config with (entry-point group "
-                              f"{PROGRAMS!r}; the built-in GPT registers itself there: a checkout whose install is "
-                              f"older than its code needs `pip install -e .` again); or launch a script instead "
-                              f"(resilient launch [OPTIONS] SCRIPT [ARGS...])")
-        program = factory(args)
+        if program_factory is None:
+            plugin = config_program()
+            if plugin is None:
+                raise no_program(args.config)
+            program_factory = plugin.program
+        program = program_factory(args)
     else:
         program = script_program(args)
     lc = program.runtime.launch

@@ -24,7 +24,7 @@ from resilient.sdc.api import SdcConfig
 from resilient.snapshot.config import SnapshotConfig
 
 __all__ = ["RuntimeConfig", "SnapshotConfig", "SdcConfig", "LaunchConfig", "load_runtime_config",
-           "runtime_config_from_dict", "runtime_config_from_env", "apply_overrides", "read_config_table", "RUNTIME_SECTIONS",
+           "runtime_config_from_dict", "runtime_config_from_env", "apply_overrides", "read_config_table", "RUNTIME_SECTIONS", "is_runtime_config",
            "RUNTIME_CONFIG_ENV"]
 
 # The sections a runtime config may hold; any other (model, train, ...) belongs to a
@@ -161,6 +161,20 @@ def read_config_table(path: str | os.PathLike | None, overrides: list[str] | Non
             raise ConfigError(f"{what} {source} does not exist{missing_hint}") from None
     apply_overrides(table, overrides or [])
     return table, source
+
+
+def is_runtime_config(path: str | os.PathLike | None, overrides: list[str]) -> bool:
+    """Whether ``path`` holds only runtime sections and no ``--set`` names another: a script's
+    runtime config, not a trainer's run config (``[model]``, ``[train]``, ...). No path, or a
+    missing file, is not one: the trainer's loader has the defaults and says what to do."""
+    if path is None:
+        return False
+    try:
+        table = read_toml(path, "config file")
+    except FileNotFoundError:
+        return False
+    other_keys = [o for o in overrides if o.partition(".")[0].strip() not in RUNTIME_SECTIONS]
+    return bool(table) and set(table) <= set(RUNTIME_SECTIONS) and not other_keys
 
 
 def load_runtime_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RuntimeConfig:

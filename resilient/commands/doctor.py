@@ -7,9 +7,10 @@ submitted, and all at once: ``resilient launch`` stops at the first failed check
 with nothing started, doctor lists every check with what to do. Exit code 2 when a
 check fails, as launch would refuse to start.
 
-CONFIG is a GPT run config (``configs/demo.toml``) or a script's runtime config
-(only ``[snapshot]``, ``[sdc]``, ``[launch]``); without one only the node itself is
-checked.
+CONFIG is a GPT run config (``configs/demo.toml``: read by the program installed for run
+configs, :class:`resilient.launch.ProgramPlugin`) or a script's runtime config (only
+``[snapshot]``, ``[sdc]``, ``[launch]``, ``[failslow]``); without one only the node itself
+is checked.
 """
 
 from __future__ import annotations
@@ -21,28 +22,29 @@ from typing import Any, Callable
 
 from resilient.preflight import plan_for, run_checks
 
+# A run config's program reads it: (path, overrides) -> (its runtime sections, the model's
+# parameters or None, the device) (resilient.launch.ProgramPlugin.preflight).
+Preflight = Callable[[str, list[str]], tuple[Any, "int | None", str]]
 
-def _load(path: str | None, overrides: list[str], load_gpt_config: Callable[[str, list[str]], Any]):
+
+def _load(path: str | None, overrides: list[str], preflight: Preflight | None):
     """(the runtime sections, the model's parameters or None, the device) of ``path``."""
-    from resilient.configbase import read_toml
-    from resilient.runconfig import RUNTIME_SECTIONS, load_runtime_config
+    from resilient.runconfig import is_runtime_config, load_runtime_config
 
     if path is None:
         return None, None, "auto"
-    try:
-        table = read_toml(path, "config file")
-    except FileNotFoundError:
-        table = {"model": {}}  # let the GPT loader find a shipped config or say what to do
-    gpt_keys = [o for o in overrides if o.partition(".")[0].strip() not in RUNTIME_SECTIONS]
-    if table and set(table) <= set(RUNTIME_SECTIONS) and not gpt_keys:
+    if is_runtime_config(path, overrides):
         return load_runtime_config(path, overrides), None, "auto"
-    cfg = load_gpt_config(path, overrides)
-    return cfg, cfg.model.num_params(), cfg.train.device
+    if preflight is None:
+        from resilient.launch import no_program
+
+        raise no_program(path)
+    return preflight(path, overrides)
 
 
-def main(argv: list[str], load_gpt_config: Callable[[str, list[str]], Any]) -> int:
-    """``load_gpt_config``: the built-in GPT's config loader, handed over by the command line
-    (the runtime does not import the trainer; see tests/unit/project/test_layers.py)."""
+def main(argv: list[str], preflight: Preflight | None = None) -> int:
+    """``preflight``: how the installed program reads a run config, handed over by the command
+    line (the runtime does not import the trainer; see tests/unit/project/test_layers.py)."""
     from resilient.agent.api import parse_nnodes
 
     ap = argparse.ArgumentParser(prog="resilient doctor", description=__doc__.split("\n\n")[0],
@@ -55,7 +57,7 @@ def main(argv: list[str], load_gpt_config: Callable[[str, list[str]], Any]) -> i
     ap.add_argument("--rdzv-endpoint", default=None, help="etcd HOST:PORT[,...] the job will use; default: the embedded etcd")
     ap.add_argument("--rdzv-conf", default="", help="TLS settings as for launch (protocol=, ca_cert=, cert=, key=)")
     args = ap.parse_args(argv)
-    runtime, params, device = _load(args.config, args.overrides, load_gpt_config)
+    runtime, params, device = _load(args.config, args.overrides, preflight)
     default_nproc = getattr(runtime, "default_world_size", lambda: 1)() if runtime is not None else 1
     nproc = args.nproc_per_node or (runtime.launch.nproc_per_node if runtime is not None else 0) or default_nproc
     nnodes = parse_nnodes(args.nnodes or (runtime.launch.nnodes if runtime is not None else "1"))

@@ -3,24 +3,26 @@
 Everything the launcher knows of the trainer is here: the config is read and its layout
 validated for every world size the job may take (``--nnodes MIN:MAX`` × processes per
 node), the corpus checked, before anything starts; the workers run
-:mod:`resilient.gpt.worker` with the resolved config as JSON. :func:`gpt_program` is registered
-under the entry-point group ``resilient.programs`` (pyproject.toml), where
-:func:`resilient.launch.config_program` finds it: the runtime never names or imports the trainer.
+:mod:`resilient.gpt.worker` with the resolved config as JSON. :data:`GPT` (its
+:class:`~resilient.launch.ProgramPlugin`: this program, its config for ``resilient config``
+and ``doctor``, and its ``resilient data`` command) is registered under the entry-point group
+``resilient.programs`` (pyproject.toml), where :func:`resilient.launch.config_program` finds
+it: the runtime never names or imports the trainer.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from resilient.errors import ConfigError
+from resilient.launch import Command, Program, ProgramPlugin, node_counts, write_content_addressed
 
 if TYPE_CHECKING:
     from resilient.gpt.config import Config
-    from resilient.launch import Program
+    from resilient.runconfig import RuntimeConfig
 
 GPT_ENTRY = "resilient.gpt.worker"
 GPT_PRELOAD = ("torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
@@ -34,17 +36,13 @@ def gpt_program(args: argparse.Namespace) -> Program:
     before anything starts."""
     from resilient.configbase import read_toml
     from resilient.gpt.config import load_config
-    from resilient.launch import Program, node_counts
-    from resilient.runconfig import RUNTIME_SECTIONS, RuntimeConfig
+    from resilient.runconfig import RuntimeConfig, is_runtime_config
 
-    with contextlib.suppress(FileNotFoundError):  # load_config says what to do about that
-        table = read_toml(args.config, "config file")
-        gpt_keys = [o for o in args.overrides if o.partition(".")[0].strip() not in RUNTIME_SECTIONS]
-        if table and set(table) <= set(RUNTIME_SECTIONS) and not gpt_keys:
-            raise ConfigError(
-                f"{args.config} holds only [{'], ['.join(sorted(table))}]: a runtime config, not a GPT run config "
-                f"(which has [model], [train], [data], ...). To run a script with it: resilient launch --config "
-                f"{args.config} SCRIPT [ARGS...]")
+    if is_runtime_config(args.config, args.overrides):
+        raise ConfigError(
+            f"{args.config} holds only [{'], ['.join(sorted(read_toml(args.config, 'config file')))}]: a runtime "
+            f"config, not a GPT run config (which has [model], [train], [data], ...). To run a script with it: "
+            f"resilient launch --config {args.config} SCRIPT [ARGS...]")
     cfg = load_config(args.config, args.overrides)
     nproc, nnodes = node_counts(args, cfg.launch, cfg.default_world_size())
     bad = []
@@ -73,8 +71,47 @@ def gpt_program(args: argparse.Namespace) -> Program:
 def write_config(cfg: Config, run_dir: Path) -> Path:
     """Write the GPT's resolved config for this node's workers; returns its path (see
     :func:`write_content_addressed`). ``config.json`` is also written, for people and tools."""
-    from resilient.launch import write_content_addressed
-
     return write_content_addressed(run_dir, "config", json.dumps(cfg.to_dict(), indent=1))
 
 
+
+
+def resolve(path: str | None, overrides: list[str], world_size: int | None) -> dict:
+    """``resilient config``: the run config as resolved, its layout checked for ``world_size``
+    processes (default: the config's own)."""
+    from resilient.gpt.config import load_config
+
+    cfg = load_config(path, overrides)
+    cfg.validate_layout(world_size or cfg.default_world_size())
+    return cfg.to_dict()
+
+
+def explain() -> str:
+    """``resilient config --explain``: every knob of a run config."""
+    from resilient.gpt.config import explain_all
+
+    return explain_all()
+
+
+def preflight(path: str | None, overrides: list[str]) -> tuple[RuntimeConfig, int, str]:
+    """``resilient doctor CONFIG``: the config's runtime sections, the model's parameters, its device."""
+    from resilient.gpt.config import load_config
+
+    cfg = load_config(path, overrides)
+    return cfg, cfg.model.num_params(), cfg.train.device
+
+
+def prepare_data(argv: list[str]) -> int:
+    """``resilient data prepare SRC OUT [--max-bytes N]``."""
+    import sys
+
+    if not argv or argv[0] != "prepare":
+        print("usage: resilient data prepare SRC OUT [--max-bytes N]", file=sys.stderr)
+        return 2
+    from resilient.gpt.data import main_prepare
+
+    return main_prepare(argv[1:])
+
+
+GPT = ProgramPlugin(program=gpt_program, resolve=resolve, explain=explain, preflight=preflight,
+                    commands={"data": Command(prepare_data, "prepare a token corpus")})

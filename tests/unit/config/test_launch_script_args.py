@@ -206,23 +206,46 @@ def test_an_uncaught_exception_is_a_traceback_a_worker_error_event_and_exit_1(tm
         ("worker_error", "n7", 3, "ValueError: loss is nan")]
 
 
-def test_a_run_config_is_run_by_the_program_installed_for_it(monkeypatch):
-    """Issue 40: the runtime never names the trainer: the built-in GPT registers its program under
-    the entry-point group resilient.programs, where launch finds it; none installed is a clear
-    error, several a refusal to guess."""
+def test_a_run_config_is_run_by_the_program_installed_for_it(monkeypatch, capsys, tmp_path):
+    """Issue 40: the runtime never names the trainer: the built-in GPT registers its
+    ProgramPlugin under the entry-point group resilient.programs, where launch, `resilient
+    config`, `doctor` and the command list find it; none installed is a clear error (runtime
+    configs still work, the GPT's `data` command is gone), several a refusal to guess."""
     import importlib.metadata as md
 
+    from resilient.cli import main
     from resilient.errors import LaunchError
+    from resilient.gpt.program import GPT
 
-    assert launch.config_program() is gpt_program
+    assert launch.config_program() is GPT and GPT.program is gpt_program
+    assert main(["--help"]) == 0 and "  data     prepare a token corpus" in capsys.readouterr().out
+    assert main(["config", "configs/demo.toml"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["n_layers"] > 0
+    runtime = tmp_path / "runtime.toml"
+    runtime.write_text("[snapshot]\nevery = 3\n")
+
     real = md.entry_points
     monkeypatch.setattr(md, "entry_points", lambda group=None: [] if group == launch.PROGRAMS else real(group=group))
     assert launch.config_program() is None
     with pytest.raises(LaunchError, match="no program is installed"):
         launch.prepare_run(parse_args(["configs/demo.toml"]))
-    two = [md.EntryPoint(n, "resilient.gpt.program:gpt_program", launch.PROGRAMS) for n in ("a", "b")]
+    assert main(["config", str(runtime)]) == 0   # a runtime config needs no program
+    assert json.loads(capsys.readouterr().out)["snapshot"]["every"] == 3
+    assert main(["config", "configs/demo.toml"]) == 2
+    assert "no program is installed" in capsys.readouterr().err
+    assert main(["config", "--explain"]) == 0
+    knobs = capsys.readouterr().out
+    assert "snapshot.every" in knobs and "model." not in knobs
+    assert main(["data", "prepare", "x", "y"]) == 2 and "unknown command 'data'" in capsys.readouterr().err
+
+    two = [md.EntryPoint(n, "resilient.gpt.program:GPT", launch.PROGRAMS) for n in ("a", "b")]
     monkeypatch.setattr(md, "entry_points", lambda group=None: two if group == launch.PROGRAMS else real(group=group))
     with pytest.raises(LaunchError, match=r"several programs .*\(a, b"):
+        launch.config_program()
+    assert main(["--help"]) == 2 and "several programs" in capsys.readouterr().err
+    old = [md.EntryPoint("gpt", "resilient.gpt.program:gpt_program", launch.PROGRAMS)]  # a factory: the old interface
+    monkeypatch.setattr(md, "entry_points", lambda group=None: old if group == launch.PROGRAMS else real(group=group))
+    with pytest.raises(LaunchError, match="not a resilient.launch.ProgramPlugin"):
         launch.config_program()
 
 
