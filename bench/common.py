@@ -3,8 +3,10 @@ training jobs as subprocesses, event reading, and the row/figure records.
 
 Why one module: every row must be measured the same way (ours and the anchor
 alternating in one run, several repeats, median + spread + ratio), so the
-timing, the statistics and the job handling live here once. Bench modules may
-import from ``resilient`` and from this module only (not from ``tests/``).
+timing, the statistics and the job handling live here once; a job is run as the
+tests and the chaos harness run theirs (``resilient_chaos.launched``). Bench
+modules may import from ``resilient``, ``resilient_chaos`` and this module only
+(not from ``tests/``).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from resilient.observe.plots import pyplot
+from resilient_chaos.launched import LaunchedNode, launch_argv, run_events
+from resilient_chaos.launched import wait_for as _wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
@@ -138,17 +141,9 @@ def launch_cmd(run_dir: Path, sets: list[str], nproc: int = 2, node: str | None 
                endpoint: str | None = None, domain: str | None = None) -> list[str]:
     """``resilient launch`` of the demo; with ``node``/``endpoint`` one simulated node of a
     multi-node job (all nodes share ``run_dir`` and the etcd at ``endpoint``)."""
-    cmd = [sys.executable, "-m", "resilient.cli", "launch", str(DEMO), "--run-dir", str(run_dir),
-           "--nproc-per-node", str(nproc)]
-    if node is not None:
-        cmd += ["--node-id", node, "--nnodes", str(nnodes)]
-    if endpoint:
-        cmd += ["--rdzv-endpoint", endpoint]
-    if domain:
-        cmd += ["--domain", domain]
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd
+    return launch_argv(DEMO, run_dir, nproc=nproc, overrides=sets,
+                       **({"node_id": node, "nnodes": str(nnodes)} if node is not None else {}),
+                       endpoint=endpoint, extra_args=["--domain", domain] if domain else [])
 
 
 def torchrun_cmd(run_dir: Path, sets: list[str], nproc: int = 2, max_restarts: int = 10, nnodes: int | str = 1,
@@ -193,28 +188,19 @@ def shown(cmd: list[str]) -> str:
     return " ".join(shlex.quote(c.replace(str(REPO) + "/", "")) for c in [Path(cmd[0]).name, *cmd[1:]])
 
 
-class Job:
+class Job(LaunchedNode):
     """A training job (agent or torchrun and its workers) in its own session, so the
-    whole process group is killed on close, whatever happened."""
+    whole process tree is killed on close, whatever happened; its output in
+    ``<run dir>[-name].log`` beside the run dir."""
 
     def __init__(self, cmd: list[str], run_dir: Path, env: dict | None = None, name: str = ""):
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_dir, self.cmd = run_dir, cmd
-        self.log = open(run_dir.parent / f"{run_dir.name}{'-' + name if name else ''}.log", "w+")
-        e = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {}))
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=e)
+        self.run_dir = run_dir
+        super().__init__(cmd, run_dir.parent / f"{run_dir.name}{'-' + name if name else ''}.log",
+                         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})})
 
     def events(self, kind: str | None = None) -> list[dict]:
         return events(self.run_dir, kind)
-
-    def tail(self, n: int = 3000) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-n:]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def wait_steps(self, n: int, timeout: float, after: float = 0.0) -> dict:
         """Wait until rank 0 logged ``n`` step events newer than ``after``; return the last."""
@@ -227,68 +213,27 @@ class Job:
 
     def kill_node(self) -> float:
         """kill -9 the launcher (agent or torchrun) and every descendant at once: a whole node
-        lost. torchrun puts its workers in sessions of their own, so the group alone is not
-        enough. Returns the time of the kill. Its node store stays in tmpfs (see ``close``)."""
-        import psutil
-
-        try:
-            kids = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            kids = []
-        t = time.time()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for k in kids:
-            try:
-                k.kill()
-            except psutil.Error:
-                pass
-        return t
+        lost (:meth:`LaunchedNode.kill`). Returns the time of the kill. Its node store stays in
+        tmpfs (see ``close``)."""
+        return self.kill()
 
     def close(self) -> None:
-        """Kill the job's process group and every descendant (``kill_node``) and drop its node store."""
-        self.kill_node()
+        """Kill the job's process tree (``kill_node``) and drop its node store."""
+        super().close()
         # A node store killed with its agent stays in tmpfs (by design: it outlives workers).
         from resilient.snapshot.nodestore import job_dir
 
         for e in self.events("agent_start"):
             if e.get("run_id"):
                 drop_dir(job_dir("/dev/shm", e["run_id"]))
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-        self.log.close()
-
-    def __enter__(self) -> "Job":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
-def events(run_dir: Path, kind: str | None = None) -> list[dict]:
-    from resilient.events import read_events
-
-    path = Path(run_dir) / "events.jsonl"
-    try:
-        evs = list(read_events(path)) if path.exists() else []
-    except (ValueError, json.JSONDecodeError):  # a line being written right now
-        time.sleep(0.05)
-        evs = list(read_events(path))
-    return [e for e in evs if kind is None or e["event"] == kind]
+events = run_events
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+    """:func:`resilient_chaos.launched.wait_for`, polled finely: rows time what it waits for."""
+    return _wait_for(predicate, timeout, what, interval)
 
 
 def worker_pid(job: Job, local_rank: int, script: str = "resilient.gpt.worker") -> int:

@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -37,12 +36,11 @@ import psutil
 from resilient.contract import events_path
 from resilient.etcd.cluster import EtcdCluster
 from resilient.events import read_events
-from resilient.procs import kill_tree as _kill_tree
 
 from .injectors import InjectionFailed
+from .launched import REPO, LaunchedNode, launch_argv  # noqa: F401  (REPO: the runner's)
 from .scenario import Scenario
 
-REPO = Path(__file__).resolve().parent.parent
 SHM_DIR = "/dev/shm"
 SAMPLE_EVERY = timedelta(milliseconds=500)
 THREAD_JOIN = timedelta(seconds=5)
@@ -60,29 +58,6 @@ END_GRACE = timedelta(seconds=60)
 # The cluster lives in the runtime (the tests and the control-plane simulator start it too);
 # the harness's name for it stays.
 EtcdService = EtcdCluster
-
-
-def kill_tree(proc: subprocess.Popen, timeout: timedelta = KILL_WAIT) -> None:
-    """SIGKILL a node's agent, its process group and every descendant, then
-    reap them. An agent that already exited (and was reaped: its pid may be
-    reused) is left alone; its orphans are found by :meth:`LocalJob.leftovers`."""
-    if proc.poll() is not None:
-        return
-    _kill_tree(proc, timeout)
-
-
-def _term_with_parent() -> None:
-    """In the agent, before exec: SIGTERM it when the runner dies, even by
-    SIGKILL (Linux PR_SET_PDEATHSIG), so a killed campaign leaves no job
-    behind (the agent then stops its workers and removes its node store).
-    The signal follows the *thread* that started the agent: agents are
-    started from the runner's main thread, or from the fault driver's
-    thread (scale-up), which lives until the job is stopped anyway."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _quiet(fn: Any) -> Any:
@@ -142,7 +117,7 @@ class LocalJob:
         self.launches: dict[int, int] = {}
         self.launched_at: dict[int, float] = {}
         self.agent_pids: dict[int, str] = {}  # every agent pid launched -> its node id
-        self._logs: list[Any] = []
+        self.launched: list[LaunchedNode] = []   # every agent started, restarts too: all killed on close
         self.shm_seen: dict[int, set[str]] = {}
         self.pids_seen: dict[int, float] = {}  # pid -> create time, of every process seen in a node's tree
         self.orphans: list[str] = []
@@ -169,31 +144,30 @@ class LocalJob:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         k = self.launches.get(n, 0)
         self.launches[n] = k + 1
-        cmd = [sys.executable, "-m", "resilient.cli", "launch", str(self.config), "--run-dir", str(self.run_dir),
-               "--node-id", self.node_id(n), "--nnodes", self.nnodes,
-               *(["--rdzv-endpoint", self.endpoint] if self.endpoint else []),   # none: the embedded etcd
-               "--nproc-per-node", str(self.nproc), "--domain", self.domains[n % len(self.domains)], "--run-id", self.run_id]
-        for o in self.overrides:
-            cmd += ["--set", o]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        conf = list(self.sc.topology.rdzv_conf)
+        env = dict(self.env)
+        overrides, conf = list(self.overrides), list(self.sc.topology.rdzv_conf)
         if self.netlab is not None:
             # In its own namespace a node's hostname resolves to a loopback the
             # others cannot reach: advertise its lab address to the rendezvous
             # (MASTER_ADDR) and the peer store, and bind gloo to its interface.
             addr = self.netlab.addresses[n]
             conf.append(f"local_addr={addr}")
-            cmd += ["--set", f"snapshot.store_host={addr}"]
+            overrides.append(f"snapshot.store_host={addr}")
             env["GLOO_SOCKET_IFNAME"] = self.netlab.interface(n)
-        if conf:
-            cmd += ["--rdzv-conf", ",".join(conf)]
+        cmd = launch_argv(self.config, self.run_dir, node_id=self.node_id(n), nnodes=self.nnodes,
+                          endpoint=self.endpoint,   # none: the embedded etcd
+                          nproc=self.nproc, overrides=overrides,
+                          extra_args=["--domain", self.domains[n % len(self.domains)], "--run-id", self.run_id,
+                                      *(["--rdzv-conf", ",".join(conf)] if conf else [])])
         if self.netlab is not None:
             cmd = self.netlab.exec_prefix(n) + cmd
-        log = open(self.log_dir / f"agent-{self.node_id(n)}{'' if k == 0 else f'.{k}'}.log", "w")
-        self._logs.append(log)
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env, preexec_fn=_term_with_parent)
-        self.procs[n] = proc
+        # SIGTERMed if the runner dies, even by SIGKILL: a killed campaign leaves no job behind. The
+        # signal follows the *thread* that started the agent: the runner's main thread, or the fault
+        # driver's (scale-up), which lives until the job is stopped anyway.
+        node = LaunchedNode(cmd, self.log_dir / f"agent-{self.node_id(n)}{'' if k == 0 else f'.{k}'}.log",
+                            env=env, term_with_parent=True)
+        self.launched.append(node)
+        proc = self.procs[n] = node.proc
         self.launched_at[n] = time.time()
         self.agent_pids[proc.pid] = self.node_id(n)
         return proc
@@ -300,8 +274,8 @@ class LocalJob:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(max(0.0, deadline - time.monotonic()))
         finally:  # a second Ctrl-C cuts the grace short, never the kill
-            for p in procs:
-                kill_tree(p)
+            for node in self.launched:
+                node.kill(KILL_WAIT)
             # Orphans: workers of an agent that died before them (the agent's
             # tree no longer reaches them).
             left = [p for p in self.leftovers()]
@@ -309,8 +283,8 @@ class LocalJob:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
             psutil.wait_procs(left, timeout=KILL_WAIT.total_seconds())
-            for log in self._logs:
-                log.close()
+            for node in self.launched:
+                node.close()
 
     def __enter__(self) -> "LocalJob":
         return self
@@ -451,7 +425,7 @@ class LocalJob:
             p.wait(STOP_GRACE.total_seconds())
             return f"node {self.node_id(node)} left (exit {p.returncode})"
         except subprocess.TimeoutExpired:
-            kill_tree(p)
+            next(x for x in self.launched if x.proc is p).kill(KILL_WAIT)
             return f"node {self.node_id(node)} killed after {STOP_GRACE}"
 
     def start_node(self, node: int) -> str:

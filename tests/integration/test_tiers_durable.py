@@ -50,8 +50,7 @@ def test_all_nodes_lost_restore_from_durable_refusing_a_forged_version(corpus, t
                      "two durable commits")
             wait_for(lambda: steps_done(run) >= 10, 300, "more steps")
         finally:
-            first.kill_node()  # kill -9 of agent and workers: nothing cleans up
-            first.log.close()
+            first.close()  # kill -9 of agent and workers: nothing cleans up
         assert sorted(p.name for p in shm.iterdir()) == ["n0"], "the killed node's store is still there"
         shutil.rmtree(shm / "n0")  # the machine is lost: its RAM with it
         forged = forge_newest_durable(run / "checkpoints")
