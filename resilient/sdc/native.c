@@ -126,3 +126,126 @@ void rs_bitsums(int64_t n_seg, const uint64_t *ptrs, const int64_t *lens, int64_
     for (int64_t k = 0; k < n_seg; k++)
         out[k] = (int64_t)(int32_t)words((const uint32_t *)(uintptr_t)ptrs[k], lens[k]);
 }
+
+/* ---- the checksummed GEMMs of a Linear layer (abft.py): each operand read once ----
+ *
+ * The identities' sides in float32, as the torch path computes them (abft.py's bound
+ * charges the check's own float32 arithmetic for any summation order), in one pass per
+ * operand: the torch path takes an |.| copy of each operand and one kernel per quantity,
+ * each one more pass and one more dispatch per Linear and GEMM. */
+
+/* W [n, k]: its row sums and |.| row sums [n], and column sums and |.| column sums [k]. */
+void rs_gemm_weight(const float *w, int64_t n, int64_t k, float *rows, float *abs_rows, float *cols,
+                    float *abs_cols) {
+    memset(cols, 0, (size_t)k * sizeof *cols);
+    memset(abs_cols, 0, (size_t)k * sizeof *abs_cols);
+    for (int64_t r = 0; r < n; r++) {
+        const float *x = w + r * k;
+        float s = 0.0f, a = 0.0f;
+#pragma omp simd reduction(+:s, a)
+        for (int64_t c = 0; c < k; c++) {
+            float v = x[c], f = fabsf(v);
+            s += v;
+            a += f;
+            cols[c] += v;
+            abs_cols[c] += f;
+        }
+        rows[r] = s;
+        abs_rows[r] = a;
+    }
+}
+
+/* X [m, k] against v and va [k] (va ≥ 0): per row Σ x·v and Σ |x|·va [m]; with rows not
+ * NULL, also the row sums and |.| row sums of X [m]. */
+void rs_gemm_rows(const float *x, int64_t m, int64_t k, const float *v, const float *va, float *xv,
+                  float *xva, float *rows, float *abs_rows) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *p = x + r * k;
+        float d = 0.0f, da = 0.0f, s = 0.0f, a = 0.0f;
+#pragma omp simd reduction(+:d, da, s, a)
+        for (int64_t c = 0; c < k; c++) {
+            float e = p[c], f = fabsf(e);
+            d += e * v[c];
+            da += f * va[c];
+            s += e;
+            a += f;
+        }
+        xv[r] = d;
+        xva[r] = da;
+        if (rows) {
+            rows[r] = s;
+            abs_rows[r] = a;
+        }
+    }
+}
+
+/* dY [m, n]: per row Σ dy·wr and Σ |dy|·war [m] (the grad-input identity's side); with xr
+ * not NULL, Σ_row dy·xr[row] and Σ_row |dy|·xar[row] [n] *added* to cols and abs_cols (the
+ * grad-weight identity's side, summed over a weight's uses in one backward). */
+void rs_gemm_dy(const float *d, int64_t m, int64_t n, const float *wr, const float *war, const float *xr,
+                const float *xar, float *dx, float *abs_dx, float *cols, float *abs_cols) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *p = d + r * n;
+        float s = 0.0f, a = 0.0f;
+        if (xr) {
+            float xw = xr[r], xa = xar[r];
+#pragma omp simd reduction(+:s, a)
+            for (int64_t c = 0; c < n; c++) {
+                float e = p[c], f = fabsf(e);
+                s += e * wr[c];
+                a += f * war[c];
+                cols[c] += e * xw;
+                abs_cols[c] += f * xa;
+            }
+        } else {
+#pragma omp simd reduction(+:s, a)
+            for (int64_t c = 0; c < n; c++) {
+                float e = p[c];
+                s += e * wr[c];
+                a += fabsf(e) * war[c];
+            }
+        }
+        dx[r] = s;
+        abs_dx[r] = a;
+    }
+}
+
+/* One GEMM's verdict: Y [rows, width] (its output) summed per row against the identity's
+ * side expect [rows], within bound = scale·rel + floor. out = (worst |Δ|/bound, its |Δ|, its
+ * bound, its row, harm·max|Y|), in float64: a row whose |Δ| + bound is not finite counts 0
+ * (the nonfinite checks' case), the first worst row wins (torch's argmax), a NaN in Y makes
+ * max|Y| NaN (torch's aminmax). */
+void rs_gemm_record(const float *y, int64_t rows, int64_t width, const float *expect, const float *scale,
+                    double rel, double floor, double harm, double *out) {
+    double worst = -1.0, wdiff = 0.0, wbound = 0.0;
+    int64_t wrow = 0;
+    float amax = 0.0f;
+    int nan = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = y + r * width;
+        float s = 0.0f, m = 0.0f;
+#pragma omp simd reduction(+:s) reduction(max:m)
+        for (int64_t c = 0; c < width; c++) {
+            float f = fabsf(p[c]);
+            s += p[c];
+            m = f > m ? f : m;
+        }
+        if (isnan(s))
+            nan = 1;
+        amax = m > amax ? m : amax;
+        /* in float32, as torch's (got - expect).abs() and scale·rel + floor */
+        float diff = fabsf(s - expect[r]), bound = (float)((double)scale[r] * rel + floor);
+        double ratio = isfinite(diff + bound) ? (double)(diff / bound) : 0.0;
+        if (ratio > worst) {
+            worst = ratio;
+            wdiff = diff;
+            wbound = bound;
+            wrow = r;
+        }
+    }
+    out[0] = worst < 0.0 ? 0.0 : worst;
+    out[1] = wdiff;
+    out[2] = wbound;
+    out[3] = (double)wrow;
+    out[4] = nan ? (double)NAN : harm * (double)amax;
+}

@@ -44,7 +44,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {"rs_rows_sum_l1": [_P, _I64, _I64, _P, _P], "rs_sum_bits": [_P, _I64, _P, _P],
-               "rs_stats": [_I64, _P, _P, _P], "rs_bitsums": [_I64, _P, _P, _P]}
+               "rs_stats": [_I64, _P, _P, _P], "rs_bitsums": [_I64, _P, _P, _P],
+               "rs_gemm_weight": [_P, _I64, _I64, _P, _P, _P, _P],
+               "rs_gemm_rows": [_P, _I64, _I64, _P, _P, _P, _P, _P, _P],
+               "rs_gemm_dy": [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P],
+               "rs_gemm_record": [_P, _I64, _I64, _P, _P, ctypes.c_double, ctypes.c_double, ctypes.c_double, _P]}
 
 
 @lru_cache(maxsize=None)
@@ -138,3 +142,64 @@ class Segments:
         if self.n:
             self.lib.rs_bitsums(self.n, self.ptrs.data_ptr(), self.lens.data_ptr(), out.data_ptr())
         return out
+
+
+# ---- the checksummed GEMMs (abft.py): float32 operands and sides ---------------------------
+
+def gemm_ready(*mats: torch.Tensor, vecs: Sequence[torch.Tensor] = ()) -> ctypes.CDLL | None:
+    """The kernels, when every operand is a contiguous float32 CPU tensor, ``mats`` 2-d and
+    not empty; else None."""
+    for x in mats:
+        if x.dim() != 2 or not x.numel():
+            return None
+    for x in (*mats, *vecs):
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+            return None
+    return library()
+
+
+def _ptr(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
+def gemm_weight(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(row sums, |.| row sums [N], column sums, |.| column sums [K]) of ``w`` [N, K]."""
+    n, k = w.shape
+    rows, cols = torch.empty(2, n, dtype=torch.float32), torch.empty(2, k, dtype=torch.float32)
+    lib.rs_gemm_weight(w.data_ptr(), n, k, rows.data_ptr(), rows.data_ptr() + 4 * n, cols.data_ptr(),
+                       cols.data_ptr() + 4 * k)
+    return (*rows.unbind(), *cols.unbind())   # (views: unbind is one call, split several)
+
+
+def gemm_rows(lib: ctypes.CDLL, x: torch.Tensor, v: torch.Tensor, va: torch.Tensor,
+              with_rows: bool) -> tuple[torch.Tensor, ...]:
+    """(x·v, |x|·va [M]) of ``x`` [M, K], and with ``with_rows`` its (row sums, |.| row sums)."""
+    m, k = x.shape
+    out = torch.empty(4 if with_rows else 2, m, dtype=torch.float32)
+    p = out.data_ptr()
+    lib.rs_gemm_rows(x.data_ptr(), m, k, v.data_ptr(), va.data_ptr(), p, p + 4 * m,
+                     p + 8 * m if with_rows else None, p + 12 * m if with_rows else None)
+    parts = out.unbind()
+    return parts if with_rows else (*parts, None, None)
+
+
+def gemm_dy(lib: ctypes.CDLL, dy: torch.Tensor, wr: torch.Tensor, war: torch.Tensor,
+            xr: torch.Tensor | None = None, xar: torch.Tensor | None = None,
+            cols: torch.Tensor | None = None, abs_cols: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dy·wr, |dy|·war [M]) of ``dy`` [M, N]; with ``xr``, also dyᵀ·xr and |dy|ᵀ·xar added
+    into ``cols`` and ``abs_cols`` [N] (float32, contiguous)."""
+    m, n = dy.shape
+    out = torch.empty(2, m, dtype=torch.float32)
+    lib.rs_gemm_dy(dy.data_ptr(), m, n, wr.data_ptr(), war.data_ptr(), _ptr(xr), _ptr(xar), out.data_ptr(),
+                   out.data_ptr() + 4 * m, _ptr(cols), _ptr(abs_cols))
+    return out.unbind()
+
+
+def gemm_record(lib: ctypes.CDLL, y: torch.Tensor, expect: torch.Tensor, scale: torch.Tensor, rel: float,
+                floor: float, harm: float) -> torch.Tensor:
+    """float64 [5]: (worst |Δ|/bound, its |Δ|, its bound, its row, harm·max|y|) of ``y``
+    [rows, width]'s row sums against ``expect`` within ``scale·rel + floor`` (native.c)."""
+    out = torch.empty(5, dtype=torch.float64)
+    lib.rs_gemm_record(y.data_ptr(), y.shape[0], y.shape[1], expect.data_ptr(), scale.data_ptr(), rel, floor,
+                       harm, out.data_ptr())
+    return out

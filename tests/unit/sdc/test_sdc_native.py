@@ -232,3 +232,65 @@ def test_a_hung_compiler_is_killed_and_not_waited_for_again(tmp_path, monkeypatc
         assert not left, f"compiler processes left behind: {left}"
     finally:
         native.library.cache_clear()
+
+
+def _gemm_verdicts(native_on: bool, fault: str, seed: int, bias: bool) -> list[tuple[str, float]]:
+    """(tensor, excess) of the GEMM suspicions of one step of two Linears, with ``fault``
+    ('', 'forward', 'grad_input', 'grad_weight') struck in the second, native kernels on or off."""
+    from resilient.sdc.api import SdcConfig
+    from resilient.sdc.monitor import SdcMonitor
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 72, bias=bias), torch.nn.GELU(), torch.nn.Linear(72, 24, bias=bias))
+    x = torch.randn(6, 11, 40, generator=torch.Generator().manual_seed(seed))
+
+    def corrupt(t):
+        t = t.clone()
+        with torch.no_grad():
+            t.view(-1)[7] *= 256
+        return t
+
+    hooks = {"forward": lambda: model[2].register_forward_hook(lambda m, a, out: corrupt(out), prepend=True),
+             "grad_input": lambda: model[2].register_full_backward_hook(lambda m, gi, go: (corrupt(gi[0]),)),
+             "grad_weight": lambda: model[2].weight.register_hook(corrupt)}
+    if fault == "grad_weight":   # before the check's own hook on the weight
+        hooks[fault]()
+    with pytest.MonkeyPatch.context() as mp:
+        if not native_on:
+            mp.setattr(native, "library", lambda: None)
+        mon = SdcMonitor(SdcConfig(abft_every=1, activation_every=0))
+        mon.watch_compute(model)
+        mon.note_restored(0, model)
+        if fault in ("forward", "grad_input"):
+            hooks[fault]()
+        model(x).square().mean().backward()
+        found = [(s.tensor, s.evidence["excess"]) for s in mon._compute_checks(1, judge=True)]
+    assert 0 < mon.gemms.max_clean_ratio <= 1
+    return found
+
+
+@needs_native
+@pytest.mark.parametrize("fault", ["", "forward", "grad_input", "grad_weight"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_native_gemm_checks_give_the_torch_paths_verdicts(fault, bias):
+    """One pass per operand in C against the torch path (a kernel per quantity, |.|
+    copies): the same GEMMs pass, the same one is named, by a like excess."""
+    for seed in (0, 1):
+        nat, ref = _gemm_verdicts(True, fault, seed, bias), _gemm_verdicts(False, fault, seed, bias)
+        assert [t for t, _ in nat] == [t for t, _ in ref] == ([f"2:{fault}"] if fault else [])
+        for (_, a), (_, b) in zip(nat, ref):
+            assert math.isclose(a, b, rel_tol=0.05), (a, b)
+
+
+@needs_native
+def test_the_native_gemm_record_takes_the_first_worst_row_and_skips_nonfinite_rows():
+    lib = native.library()
+    y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [float("inf"), 0.0], [5.0, float("nan")], [1.0, 1.0]])
+    expect = torch.tensor([3.0, 6.0, 1.0, 0.0, 1.0])   # rows 1 and 4 off by 1
+    scale = torch.ones(5)
+    ratio, diff, bound, row, harm = native.gemm_record(lib, y, expect, scale, 0.5, 0.5, 2.0).tolist()
+    assert (ratio, diff, bound, row) == (1.0, 1.0, 1.0, 1.0)
+    assert math.isnan(harm)   # a NaN in the output, as torch's aminmax says
+    ratio, *_, harm = native.gemm_record(lib, y[:2].contiguous(), expect[:2].contiguous(), scale[:2].contiguous(),
+                                         0.5, 0.5, 2.0).tolist()
+    assert harm == 8.0
