@@ -18,9 +18,11 @@ optionally, the previous placement:
   (the most constrained first) and each takes its least-loaded eligible targets, ties
   broken by rendezvous hashing (a per-pair hash, so two fleets of the same names place
   alike and no name order is favoured);
-* **stable**: given ``previous``, every previous target that is still a member, still
-  valid and under capacity is kept, and only the missing slots are filled. When one
-  node leaves, only the replicas it held move (and its own sources vanish).
+* **stable**: given ``previous``, every previous target that is still a member and still
+  valid is kept, whatever its load, and only the missing slots are filled (under the
+  capacity where a valid node is under it). When one node leaves, only the replicas it
+  held move (and its own sources vanish); when the kept replicas fill every valid node, a
+  new pick may go one over the capacity rather than move a replica that is still valid.
 
 Every agent computes the whole fleet's placement from the same registry, so all agree
 without talking; an agent that saw another sequence of memberships may differ on a few
