@@ -89,7 +89,6 @@ def _name(cn: str | None, unit: str = ""):
 
 
 def _serial(root: bytes, name: str) -> int:
-    import hashlib
     import hmac
 
     return int.from_bytes(hmac.digest(root, LABEL + b"serial/" + name.encode(), "sha256")[:16], "big") >> 1

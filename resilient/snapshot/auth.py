@@ -41,7 +41,7 @@ from collections import OrderedDict
 from typing import Any
 
 from resilient.secret import JobSecret, Unauthentic
-from resilient.snapshot.api import ChunkRecord, SnapshotCorrupt, SnapshotError
+from resilient.snapshot.api import ChunkRecord, SnapshotError
 from resilient.snapshot.format import verify
 
 MANIFEST_PURPOSE = "snapshot-manifest"

@@ -48,8 +48,9 @@ def test_a_wait_that_runs_out_is_an_assertion_and_a_timeout_naming_the_output(tm
     with LaunchedNode([sys.executable, "-c", "print('still here', flush=True); import time; time.sleep(600)"],
                       tmp_path / "node.log", env={"RESILIENT_TEST_MARK": "x"}) as node:
         wait_for(lambda: "still here" in node.output(), 60, "its first line")
-        with pytest.raises(AssertionError, match="still here"):
+        with pytest.raises(WaitTimedOut, match="still here") as raised:
             node.wait(0.2)
+        assert isinstance(raised.value, AssertionError) and isinstance(raised.value, TimeoutError)
         with pytest.raises(TimeoutError, match="waiting for nothing"):
             wait_for(lambda: None, 0.1, "nothing", interval=0.02)
         assert psutil.Process(node.pid).environ()["RESILIENT_TEST_MARK"] == "x"

@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import re
 
-import pytest
-
 from resilient.gpt.config import explain_all
 
 from launchutil import REPO  # noqa: E402

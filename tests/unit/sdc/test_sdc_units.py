@@ -297,7 +297,6 @@ def test_bitsums_of_a_packed_run_are_piece_sums_that_name_the_tensor_struck():
     a flip is reported in the tensor it struck, not in its neighbour that shares a block
     (an exp_avg_sq flip was once named as the exp_avg before it). Same answers with the
     C kernel and without it."""
-    from resilient.sdc import native
     from resilient.sdc.atrest import BLOCK, AtRest, BitSums
 
     torch.manual_seed(2)
