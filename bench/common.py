@@ -11,6 +11,7 @@ modules may import from ``resilient``, ``resilient_chaos`` and this module only
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -196,8 +197,13 @@ class Job(LaunchedNode):
     def __init__(self, cmd: list[str], run_dir: Path, env: dict | None = None, name: str = ""):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
-        super().__init__(cmd, run_dir.parent / f"{run_dir.name}{'-' + name if name else ''}.log",
-                         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})})
+        base = run_dir.parent / f"{run_dir.name}{'-' + name if name else ''}"
+        # Its own TMPDIR, dropped on close: a launcher killed -9 cleans nothing up (torchrun
+        # leaves its /tmp/torchelastic_* log dir behind otherwise).
+        self.tmp = base.with_name(base.name + ".tmp")
+        self.tmp.mkdir(exist_ok=True)
+        super().__init__(cmd, base.with_name(base.name + ".log"),
+                         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TMPDIR": str(self.tmp), **(env or {})})
 
     def events(self, kind: str | None = None) -> list[dict]:
         return events(self.run_dir, kind)
@@ -225,7 +231,11 @@ class Job(LaunchedNode):
 
         for e in self.events("agent_start"):
             if e.get("run_id"):
-                drop_dir(job_dir("/dev/shm", e["run_id"]))
+                store = job_dir("/dev/shm", e["run_id"])
+                drop_dir(store)
+                with contextlib.suppress(OSError):   # this user's root, if no other run holds a tree there
+                    store.parent.rmdir()
+        drop_dir(self.tmp)
 
 
 events = run_events

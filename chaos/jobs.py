@@ -118,6 +118,7 @@ class LocalJob:
         self.launched_at: dict[int, float] = {}
         self.agent_pids: dict[int, str] = {}  # every agent pid launched -> its node id
         self.launched: list[LaunchedNode] = []   # every agent started, restarts too: all killed on close
+        self.launched_node: dict[int, LaunchedNode] = {}   # node -> its newest launch (procs[n] is its process)
         self.shm_seen: dict[int, set[str]] = {}
         self.pids_seen: dict[int, float] = {}  # pid -> create time, of every process seen in a node's tree
         self.orphans: list[str] = []
@@ -167,6 +168,7 @@ class LocalJob:
         node = LaunchedNode(cmd, self.log_dir / f"agent-{self.node_id(n)}{'' if k == 0 else f'.{k}'}.log",
                             env=env, term_with_parent=True)
         self.launched.append(node)
+        self.launched_node[n] = node
         proc = self.procs[n] = node.proc
         self.launched_at[n] = time.time()
         self.agent_pids[proc.pid] = self.node_id(n)
@@ -425,7 +427,7 @@ class LocalJob:
             p.wait(STOP_GRACE.total_seconds())
             return f"node {self.node_id(node)} left (exit {p.returncode})"
         except subprocess.TimeoutExpired:
-            next(x for x in self.launched if x.proc is p).kill(KILL_WAIT)
+            self.launched_node[node].kill(KILL_WAIT)
             return f"node {self.node_id(node)} killed after {STOP_GRACE}"
 
     def start_node(self, node: int) -> str:

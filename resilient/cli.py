@@ -172,10 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         # The installed program's commands are looked up only for a word that is not built in:
         # `resilient launch` pays no entry-point scan.
-        cmd = COMMANDS.get(argv[0]) or _commands().get(argv[0])
+        cmd = COMMANDS.get(argv[0])
         if cmd is None:
-            print(f"resilient: unknown command {argv[0]!r}\n\n{_usage(_commands())}", file=sys.stderr)
-            return 2
+            commands = _commands()
+            cmd = commands.get(argv[0])
+            if cmd is None:
+                print(f"resilient: unknown command {argv[0]!r}\n\n{_usage(commands)}", file=sys.stderr)
+                return 2
         return cmd[0](argv[1:])
     except ResilientError as e:
         print(f"resilient {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
