@@ -7,14 +7,17 @@ one random element at a site — on the training forward only (transient) or on 
 forward and backward it runs (persistent, a bad device) — and each detector is asked
 whether it names rank 1 in that step:
 
-* ``default``: the sampled cross-device replay (every rank's forward recomputed by its
-  neighbour, three ranks attribute; :mod:`resilient.sdc.crosscheck`), as on by default;
-* ``abft_every``: the checksummed GEMMs (:mod:`resilient.sdc.abft`), the knob.
+* ``default``: what the defaults run on a sampled step: the cross-device replay (every
+  rank's forward recomputed by its neighbour, three ranks attribute;
+  :mod:`resilient.sdc.crosscheck`) or the checksummed GEMMs (:mod:`resilient.sdc.abft`,
+  ``abft_every = 0``: on the steps the budget samples) naming rank 1;
+* ``abft_every``: the checksummed GEMMs alone, as ``sdc.abft_every = 1`` runs them.
 
 Memory sites (gradients, parameters, optimizer state at rest, reductions) are hashed
 bit for bit by the default checks; their rates are the ``sdc`` row's (bench/RESULTS.md),
 not re-measured here. ``python bench/sdc_coverage.py --trials 6`` prints a markdown
-table and a JSON line; a few minutes on 2 cores.
+table and a JSON line and draws ``bench/results/sdc-coverage.png`` (the heat-map: the
+default's columns beside the knob's); a few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -83,11 +86,40 @@ def _trial(rank, world, site, bit, persistent, seed):
             "fired": inj.fired, "cross_s": time.perf_counter() - t0}
 
 
+def draw(rows: list[dict], path: Path) -> None:
+    """The heat-map: a row per site × bit class, the default's and the knob's columns, each
+    transient and persistent; a cell is the share of trials that named rank 1."""
+    from resilient.observe.plots import pyplot
+
+    plt = pyplot()
+    if plt is None:   # matplotlib not installed: the table stands without the picture
+        return
+    cols = [("default", "transient"), ("default", "persistent"), ("abft_every", "transient"), ("abft_every", "persistent")]
+    labels = ["default\ntransient", "default\npersistent", "abft_every=1\ntransient", "abft_every=1\npersistent"]
+    keys = [(site, bits) for site in SITES for bits in BITS]
+    cell = {(r["site"], r["bits"], r["fault"]): r for r in rows}
+    grid = [[cell[site, bits, fault][col] / cell[site, bits, fault]["trials"] for col, fault in cols] for site, bits in keys]
+    f, ax = plt.subplots(figsize=(6.4, 0.3 * len(keys) + 1.4))
+    ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i, (site, bits) in enumerate(keys):
+        for j, (col, fault) in enumerate(cols):
+            r = cell[site, bits, fault]
+            ax.text(j, i, f"{r[col]}/{r['trials']}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(cols)), labels, fontsize=7)
+    ax.set_yticks(range(len(keys)), [f"{site}: {bits}" for site, bits in keys], fontsize=7)
+    ax.set_title("SDC in the compute: found on a sampled step (rank 1 of 3 named)", fontsize=8)
+    f.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f.savefig(path, dpi=90)
+    plt.close(f)
+
+
 def main() -> None:
     from resilient.sdc.harness import GlooPool
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=6, help="random elements per cell")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "sdc-coverage.png", help="the heat-map")
     args = ap.parse_args()
     rows = []
     t0 = time.perf_counter()
@@ -99,15 +131,16 @@ def main() -> None:
                     default = knob = 0
                     for t in range(args.trials):
                         res = pool.run(_trial, site, bit, persistent, 1000 + t)
-                        default += any(r == 1 and a for r, a in res[0]["cross"])
+                        default += any(r == 1 and a for r, a in res[0]["cross"]) or res[1]["abft"]
                         knob += res[1]["abft"]
                     rows.append({"site": site, "bits": bname, "fault": "persistent" if persistent else "transient",
                                  "default": default, "abft_every": knob, "trials": args.trials})
-    print("| site | bits | fault | default (cross-device replay, sampled) | `sdc.abft_every=1` |")
+    print("| site | bits | fault | default (cross-device replay + GEMM checks, sampled) | `sdc.abft_every=1` |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['site']} | {r['bits']} | {r['fault']} | {r['default']}/{r['trials']} in a sampled step "
               f"| {r['abft_every']}/{r['trials']} in the step |")
+    draw(rows, args.out)
     print(json.dumps({"rows": rows, "false_alarms": sum(bool(c[0]["cross"]) or any(r["abft"] for r in c) for c in clean),
                       "clean_trials": len(clean), "cross_s_per_sample": round(sum(c[0]["cross_s"] for c in clean) / len(clean), 4), "seconds": round(time.perf_counter() - t0, 1)}))
 

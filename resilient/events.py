@@ -37,7 +37,7 @@ EVENTS = frozenset({
     "agent_start", "agent_stop", "rendezvous", "workers_started", "failure",
     "heartbeat_timeout", "evicted", "preemption", "scale", "membership", "auth_failure", "metrics",
     # silent data corruption
-    "sdc_suspect", "sdc_replay", "sdc_cross_check", "sdc_verdict", "sdc_probe", "sdc_coverage", "quarantine", "rollback",
+    "sdc_suspect", "sdc_replay", "sdc_cross_check", "sdc_gemm_check", "sdc_verdict", "sdc_probe", "sdc_coverage", "quarantine", "rollback",
     # fail-slow
     "straggler", "failslow_probe", "failslow_replace", "failslow_mark", "failslow_rejoin",
     # chaos

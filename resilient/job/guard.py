@@ -162,6 +162,16 @@ class SdcGuard:
         if self.cross is not None and self.cross.due(step + 1):
             self.cross.note_rng()   # the RNG state the sampled step's forward starts from
 
+    def sampled_checks(self) -> dict[str, str]:
+        """The sampled checks in force and their periods (the run_start event's fields)."""
+        out = {}
+        if self.cross is not None and self.cross.active:
+            out["sdc_cross_check"] = self.cross.describe()
+        gemms = self.monitor.describe_sampling() if self.monitor is not None else None
+        if gemms:
+            out["sdc_gemm_check"] = gemms
+        return out
+
     def cross_check(self, step: int, loss, batch, recompute, step_seconds: float) -> None:
         """The sampled cross-device replay of ``step`` (collective on sampled steps; a no-op on
         the others, decided from the step number on every rank alike). Its suspicions join

@@ -416,12 +416,13 @@ class Job:
         return self.failslow.phase(name)
 
     def _run_start(self, total: int) -> None:
-        cross = self.guard.cross.describe() if self.guard.cross is not None else None
+        sampled = self.guard.sampled_checks()   # the checks of what devices compute, at the budget's period
         self.events.emit("run_start", layout=self.layout, start_step=self.step, total_steps=total,
                          device=str(self.device), startup=self.startup, tiers=self.tiers(),
-                         sdc=self.guard.coverage, **({"sdc_cross_check": cross} if cross else {}), **self.describe)
-        if cross and self.rank == 0 and self.progress:
-            print(f"resilient: sdc {cross}", file=sys.stderr, flush=True)
+                         sdc=self.guard.coverage, **sampled, **self.describe)
+        if self.rank == 0 and self.progress:
+            for line in sampled.values():
+                print(f"resilient: sdc {line}", file=sys.stderr, flush=True)
 
     def tiers(self) -> list[str]:
         """The tiers this job writes: ``memory`` (node RAM, peers) and/or ``durable``."""

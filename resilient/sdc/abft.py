@@ -71,8 +71,9 @@ import torch
 from torch import nn
 
 from resilient.sdc import native
-from resilient.sdc.api import KIND_GEMM, Suspicion
+from resilient.sdc.api import KIND_GEMM, Spent, Suspicion
 from resilient.sdc.checksums import gamma, local, unit_roundoff
+from resilient.sdc.parts import _timed
 
 _U64 = 2.0 ** -53
 _MATMUL_INPUT_U = {"highest": 0.0, "high": 2.0 ** -11, "medium": 2.0 ** -8}   # tf32 / bf16 inputs
@@ -211,6 +212,11 @@ class GemmCheck:
     _pending: dict[int, _Pending] = field(default_factory=dict)   # id(weight) -> one backward pass's uses
     _hooked: dict[int, object] = field(default_factory=dict)      # id(weight) -> grad hook handle
     _handles: list = field(default_factory=list)
+    _spent: Spent = field(default_factory=Spent)   # in the hooks and collect: what a sampled step's checks cost
+
+    @property
+    def spent(self) -> Spent:
+        return self._spent
 
     def arm(self, on: bool) -> None:
         self.armed = on
@@ -264,6 +270,7 @@ class GemmCheck:
         use = module._resilient_abft_use = _Use(name, torch.float32)   # filled by _post
         return (_TapGrad.apply(args[0], lambda g: self._grad_input(use, g)),) + tuple(args[1:])
 
+    @_timed
     def _post(self, name: str, module: nn.Module, args: tuple, out: torch.Tensor, check_dw: bool) -> None:
         use = module.__dict__.pop("_resilient_abft_use", None)
         if not (self.armed and torch.is_grad_enabled() and isinstance(out, torch.Tensor)):
@@ -313,6 +320,7 @@ class GemmCheck:
         out.register_hook(lambda g: self._grad_output(use, g, w if check_dw else None))
         return None
 
+    @_timed
     def _grad_output(self, use: _Use, g: torch.Tensor, weight: torch.Tensor | None) -> None:
         """dY arrived (before the Linear's backward): the expected sides of both backward identities."""
         n = use.w_rows.numel()
@@ -340,6 +348,7 @@ class GemmCheck:
             xr, xar = _as(use.x_rows, dy.dtype), _as(use.x_abs_rows, dy.dtype)
             pending.add(dy.T @ xr, dy_abs.T @ xar, use.x_rows.numel(), use.dtype)
 
+    @_timed
     def _grad_input(self, use: _Use, g: torch.Tensor) -> None:
         if use.expect_dx is None:
             return
@@ -347,6 +356,7 @@ class GemmCheck:
         self._record(use.name, "grad_input", dx.reshape(-1, dx.shape[-1]).to(use.dtype), use.expect_dx, use.scale_dx,
                      use.w_rows.numel(), use.dtype)
 
+    @_timed
     def _grad_weight(self, key: int, name: str, g: torch.Tensor) -> None:
         p = self._pending.pop(key, None)
         if p is None or p.task != torch._C._current_graph_task_id():
@@ -355,6 +365,7 @@ class GemmCheck:
         return None
 
     # ---- the step's verdict ----------------------------------------------------
+    @_timed
     def collect(self, step: int, rank: int) -> list[Suspicion]:
         """This rank's GEMMs since the last collect whose identity failed beyond rounding."""
         results, self._results = self._results, []

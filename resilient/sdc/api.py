@@ -185,7 +185,9 @@ class SdcConfig:
     spike_window: int = knob(50, "steps of history the loss / gradient spike detectors keep")
     spike_warmup: int = knob(10, "steps of history needed before spikes are judged")
     bound_safety: float = knob(2.0, "multiply the derived worst-case rounding bound of the linear check by this (covers fused/blocked kernels whose op count exceeds the model)")
-    abft_every: int = knob(0, "check every nn.Linear GEMM (forward, grad-input, grad-weight) against its row-checksum identity, within the rounding bound of its dtype and sizes, every N steps (resilient.sdc.abft); 0 disables. Off by default: a checked step costs ~1.3x a plain one on CPU at the demo's size (one fused pass over each operand, from Python hooks; python bench/sdc_compute.py --only gemms); 1 catches every fault in its step, N every N-th step")
+    abft_every: int = knob(0, "check every nn.Linear GEMM (forward, grad-input, grad-weight) against its row-checksum identity, within the rounding bound of its dtype and sizes (resilient.sdc.abft): N = every N-th step (1 catches every fault in its step); 0 = on the steps sdc.abft_budget samples (the default: a persistent fault in any Linear's forward or backward is found within sdc.abft_max_period steps); set both to 0 to disable")
+    abft_budget: float = knob(0.01, "with abft_every = 0, the GEMM checks run every N-th step, N chosen so they cost at most this fraction of step time: a checked step costs ~1.3x a plain one on CPU at the demo's size (python bench/sdc_compute.py --only gemms), re-measured at each sample and agreed over ranks; the period in force is printed at start; 0 disables")
+    abft_max_period: int = knob(50, "at most this many steps between sampled GEMM checks, whatever the budget: a persistent fault in a Linear's forward or backward is found within this many steps")
     activation_every: int = knob(0, "hold each block's output amax (and its direct children's) against its own history every N steps (resilient.sdc.activations); 0 disables. Off by default: +27% of a demo step's CPU on CPU (python bench/sdc_compute.py --only activations)")
     activation_spike_k: float = knob(50.0, "a block output's log(amax) beyond median ± k·MAD of its window (a rise or a drop) is a suspicion (an exponent-size excursion either way); 0 disables the spike test, non-finite outputs are still caught")
     cross_check_budget: float = knob(0.01, "sampled cross-device replay: every rank's forward is recomputed bitwise by its neighbour rank at a period chosen so the recomputes cost at most this fraction of step time (measured at each sample; the period in force is printed at start); 0 disables (resilient.sdc.crosscheck)")
@@ -205,7 +207,8 @@ class SdcConfig:
         at_least = {"check_every": 0, "param_check_every": 0, "state_check_every": 0, "loss_spike_k": 0,
                     "grad_spike_k": 0, "abft_every": 0, "activation_every": 0, "activation_spike_k": 0, "spike_window": 1, "spike_warmup": 0, "bound_safety": 1,
                     "max_transients": 1, "probe_every": 0, "probe_matmul": 1, "probe_reduce": 1,
-                    "cross_check_budget": 0, "cross_check_max_period": 1}
+                    "cross_check_budget": 0, "cross_check_max_period": 1,
+                    "abft_budget": 0, "abft_max_period": 1}
         check_bounds(self, "sdc", at_least=at_least)
         if self.spike_warmup > self.spike_window:
             raise ConfigError(f"'sdc.spike_warmup' ({self.spike_warmup}) must not exceed 'sdc.spike_window' "

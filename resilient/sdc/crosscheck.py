@@ -38,15 +38,15 @@ The suspicions join the monitor's verdicts (replay, quarantine, rollback).
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from resilient.sdc.api import KIND_CROSS, Suspicion
+from resilient.sdc.sampling import SampledSteps, period_for  # noqa: F401 - period_for: public here too
 
 FORWARD_SHARE = 1 / 3   # a forward's share of a training step, before a measurement says otherwise
 
@@ -60,14 +60,6 @@ def loss_bits(loss: torch.Tensor | float | None) -> int:
     if t.dtype == torch.float64:
         return int(t.view(torch.int64))
     return int(t.to(torch.float32).view(torch.int32))
-
-
-def period_for(cost_share: float, budget: float, max_period: int) -> int:
-    """Steps between samples so that a recompute costing ``cost_share`` of a step takes
-    at most ``budget`` of the run; no more than ``max_period`` (the detection bound)."""
-    if budget <= 0:
-        return max_period
-    return max(1, min(max_period, math.ceil(cost_share / budget)))
 
 
 def attribute(world: int, original: Sequence[int], first: Sequence[int],
@@ -126,25 +118,25 @@ class CrossCheck:
     rank: int
     world: int
     group: object = None
-    period: int = 0
-    samples: int = 0
     spent_s: float = 0.0
     _rng: torch.Tensor | None = None
-
-    next_step: int = 0   # the next sampled step: the last one + the period then in force
+    steps: SampledSteps = field(init=False)   # the sampled steps (sampling.py): the budget's, within the bound
 
     def __post_init__(self) -> None:
-        self.period = period_for(FORWARD_SHARE, self.budget, self.max_period)
-        self.next_step = self.period
+        self.steps = SampledSteps(self.budget, self.max_period, FORWARD_SHARE)
+
+    @property
+    def period(self) -> int:
+        return self.steps.period
 
     @property
     def active(self) -> bool:
-        return self.world > 1 and self.budget > 0 and self.max_period > 0
+        return self.world > 1 and self.steps.active
 
     def due(self, step: int) -> bool:
         """Is ``step`` (1-based: the step being run) a sampled one? Same on every rank: the
         period is agreed in the exchange, and a rollback's repeated steps wait for the next."""
-        return self.active and step >= self.next_step
+        return self.active and self.steps.due(step)
 
     def note_rng(self) -> None:
         """Before a sampled step's forward: the RNG state its dropout (if any) will start from."""
@@ -185,11 +177,9 @@ class CrossCheck:
             seconds = [torch.empty_like(b) for _ in range(self.world)]
             dist.all_gather(seconds, b, group=self.group)
             second = [int(x) for x in torch.cat(seconds).tolist()]
-        self.samples += 1
         self.spent_s += time.perf_counter() - t0
         # the largest measured share over ranks: every rank computes the same next period
-        self.period = period_for(max(r[2] for r in table) / 1e6, self.budget, self.max_period)
-        self.next_step = step + self.period
+        self.steps.measured(step, max(r[2] for r in table) / 1e6)
         self._rng = None
         sus = attribute(self.world, original, firsts, second)
         for s in sus:

@@ -46,6 +46,7 @@ rank 0 (every rank holds the same agreed facts), probes by the rank that ran the
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable
@@ -56,7 +57,7 @@ from torch import nn
 
 from resilient.sdc.abft import GemmCheck, attach_abft
 from resilient.sdc.activations import ActivationCheck, attach_activation_checks, reached_the_step
-from resilient.sdc.api import (KIND_ACTIVATION_SPIKE, KIND_AT_REST, KIND_CROSS, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA,
+from resilient.sdc.api import (KIND_ACTIVATION_SPIKE, KIND_AT_REST, KIND_CROSS, KIND_GEMM, KIND_LOSS_SPIKE, KIND_NONFINITE, KIND_PROBE, KIND_REPLICA,
                                KIND_STATE_AT_REST, Action, Decision, SdcConfig, SdcDetected, SdcError, Spent, Suspicion,
                                Verdict)
 from resilient.sdc.parts import Parts, _named_params, _parts, _timed, device_id  # noqa: F401 - device_id: public here too
@@ -65,9 +66,16 @@ from resilient.sdc.checksums import LocalGradCheck, RobustSpike, compare_replica
 from resilient.sdc.probes import Prober
 from resilient.sdc.reduction import ReductionCheck, attach_fsdp
 from resilient.sdc.replay import EXACT_KINDS, Match, ReplayStateMachine, compare, fingerprint
+from resilient.sdc.sampling import SampledSteps
 
 # state the optimizer step wrote and nothing else may touch: a change cannot be replayed away
 AT_REST_KINDS = frozenset({KIND_AT_REST, KIND_STATE_AT_REST})
+# A GEMM-checked step's extra cost as a share of a plain one until a sample measures it: 1.3x on
+# CPU at the demo's size (python bench/sdc_compute.py --only gemms), so 1 step in 30 at a 1% budget
+GEMM_SHARE = 0.3
+# The first sampled GEMM step: step 2 is the first whose plain time is measured (end to end),
+# step 3 then measures the checks' share of it and finds the device clean early
+GEMM_FIRST_SAMPLE = 3
 
 
 @dataclass
@@ -113,6 +121,14 @@ class SdcMonitor:
         # newest step whose forward the cross-device replay found clean on every rank: a
         # persistent fault it attributes struck after it, so a rollback goes no later
         self.cross_clean_step = 0
+        # the GEMM checks at the budget's period (``abft_every = 0``): which steps, and the newest
+        # step they found clean on every rank (a rollback for a fault they find goes no later)
+        self.gemm_steps = SampledSteps(self.cfg.abft_budget, self.cfg.abft_max_period, GEMM_SHARE,
+                                       first=GEMM_FIRST_SAMPLE) if self.cfg.abft_every == 0 else None
+        self.gemm_clean_step = 0
+        self._gemm_spent_at_arm = 0.0   # the GEMM hooks' wall seconds when this step's checks were armed
+        self._t_step_end: float | None = None   # when the last step ended (after_optimizer_step)
+        self._plain_step_s: float | None = None   # the newest step without GEMM checks, end to end
         self._external: list[Suspicion] = []
         # the mean loss over the ranks that have one, from this step's exchange: the loop's own
         # all-reduce of the loss for its log would move the same numbers again (see :meth:`_note_losses`)
@@ -172,7 +188,7 @@ class SdcMonitor:
             named += [(prefix + n, mod) for n, mod in m.named_modules()]
             for _, p in m.named_parameters(remove_duplicate=False):
                 counts[id(p)] = counts.get(id(p), 0) + 1
-        if self.cfg.abft_every > 0:
+        if self.cfg.abft_every > 0 or (self.gemm_steps is not None and self.gemm_steps.active):
             self.gemms = attach_abft(named, self.cfg.bound_safety, {k for k, c in counts.items() if c > 1})
         if self.cfg.activation_every > 0:
             self.activations = attach_activation_checks(named, self.cfg.activation_spike_k, self.cfg.spike_window,
@@ -240,12 +256,48 @@ class SdcMonitor:
     def _due(self, step: int, every: int) -> bool:
         return self.cfg.enable and every > 0 and step % every == 0
 
+    def _gemms_due(self, step: int) -> bool:
+        """``abft_every`` N: every N-th step; 0: the sampled steps of the budget."""
+        if self.cfg.abft_every > 0 or self.gemm_steps is None:
+            return self._due(step, self.cfg.abft_every)
+        return self.cfg.enable and self.gemm_steps.due(step)
+
+    def _gemm_share(self) -> float:
+        """This rank's GEMM checks of the step just run as a share of a plain step (-1: no
+        plain step measured yet, or not a sampled step)."""
+        if self.gemm_steps is None or self.gemms is None or not self.gemms.armed or not self._plain_step_s:
+            return -1.0
+        return (self.gemms.spent.wall - self._gemm_spent_at_arm) / self._plain_step_s
+
+    def _gemms_sampled(self, step: int, shares: torch.Tensor, sus: list[Suspicion]) -> None:
+        """After a sampled step's exchange: the next period from the largest share any rank
+        measured (the same on every rank); the step is clean unless a GEMM check failed."""
+        if self.gemm_steps is None or self.gemms is None or not self.gemms.armed:
+            return
+        share = float(shares.max())
+        self.gemm_steps.measured(step, share if share >= 0 else self.gemm_steps.share)
+        failed = sum(s.kind == KIND_GEMM and not s.harmless for s in sus)
+        if not failed:
+            self.gemm_clean_step = step
+        self._emit("sdc_gemm_check", step=step, share=round(share, 4) if share >= 0 else None,
+                   period=self.gemm_steps.period, mismatches=failed)
+
+    def describe_sampling(self) -> str | None:
+        """The GEMM checks' schedule, for the start line (None: not sampled)."""
+        g = self.gemm_steps
+        if g is None or self.gemms is None or not g.active:
+            return None
+        return (f"checksummed GEMMs every {g.period} steps ({len(self.gemms.covered)} Linear layers, forward and "
+                f"backward; budget {100 * g.budget:g}% of step time at a checked step ≈ {1 + g.share:.2f}x, "
+                f"re-measured at each sample; a persistent fault is found within {g.max_period} steps at most)")
+
     def _arm_after(self, step: int) -> None:
         """The next step's backward records its reductions only if that step will be checked."""
         for chk in self.reductions:
             chk.arm(self._due(step + 1, self.cfg.check_every))
         if self.gemms is not None:
-            self.gemms.arm(self._due(step + 1, self.cfg.abft_every))
+            self.gemms.arm(self._gemms_due(step + 1))
+            self._gemm_spent_at_arm = self.gemms.spent.wall
         if self.activations is not None:
             self.activations.arm(self._due(step + 1, self.cfg.activation_every))
 
@@ -286,10 +338,11 @@ class SdcMonitor:
         dp group is the monitor's whole group, in the same order (no tp, no pp)."""
         return bool(self.reductions) and all(chk.ranks == self.granks for chk in self.reductions)
 
-    def _exchange_scalars(self, loss: float | None, n_local: int, tables=()) -> torch.Tensor:
-        """All-gather (loss, has_loss, n_suspicions, *flattened tables) of every rank: ``[world, 3 + ...]``."""
-        v = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0, float(n_local)],
-                         dtype=torch.float64)
+    def _exchange_scalars(self, loss: float | None, n_local: int, tables=(), share: float = -1.0) -> torch.Tensor:
+        """All-gather (loss, has_loss, n_suspicions, GEMM check share, *flattened tables) of every
+        rank: ``[world, 4 + ...]``."""
+        v = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0, float(n_local),
+                          share], dtype=torch.float64)
         if tables:
             v = torch.cat([v] + [t.reshape(-1) for t in tables])
         if not dist.is_initialized() or self.world == 1:
@@ -377,14 +430,14 @@ class SdcMonitor:
         mine += self._probe_suspicions(step)
         lval = float(loss) if loss is not None else None
         tables = [chk.local_rows() for chk in self.reductions] if fused else []
-        scalars = self._exchange_scalars(lval, len(mine), tables)
+        scalars = self._exchange_scalars(lval, len(mine), tables, share=self._gemm_share())
         agreed = []   # judged from the gathered tables: identical on every rank already
-        off = 3
+        off = 4
         for chk, t in zip(self.reductions if fused else [], tables):
             k = t.numel()
             agreed += chk.judge(step, scalars[:, off:off + k].reshape(self.world, *t.shape), judge_spikes=True)
             off += k
-        scalars = scalars[:, :3]
+        scalars = scalars[:, :4]
         self._note_losses(scalars)
         loss_sus = self._loss_checks(step, scalars, judge=grads_due)
         sus = mine
@@ -392,6 +445,7 @@ class SdcMonitor:
             sus, _ = self._agree(mine)
         sus = self._finish(step, sorted(reached_the_step(sus + agreed + loss_sus),
                                         key=lambda s: (s.rank, s.kind, s.tensor)))
+        self._gemms_sampled(step, scalars[:, 3], sus)
         if at_rest_step is not None and not any(s.kind in AT_REST_KINDS and not s.harmless for s in sus):
             self._last_verified = max(self._last_verified, at_rest_step)   # that version's parameters held
         if not sus:
@@ -474,6 +528,8 @@ class SdcMonitor:
             if any(s.kind == KIND_CROSS and s.rank in bad for s in original):
                 # a device that computes wrong did so since the last clean sample at the latest
                 d.rollback_to = min(d.rollback_to, self.cross_clean_step)
+            if self.gemm_steps is not None and any(s.kind == KIND_GEMM and s.rank in bad for s in original):
+                d.rollback_to = min(d.rollback_to, self.gemm_clean_step)   # sampled: it may have struck since
             return self._quarantine(step, d, bad)
         return d
 
@@ -482,6 +538,10 @@ class SdcMonitor:
     def after_optimizer_step(self, step: int, model_parts: Parts) -> Decision:
         """Record parameters (every ``param_check_every``) and optimizer state (every
         ``state_check_every``) at rest; compare replicated parameters."""
+        now = time.perf_counter()
+        if self._t_step_end is not None and self.gemms is not None and not self.gemms.armed:
+            self._plain_step_s = now - self._t_step_end   # what a sampled step's checks are a share of
+        self._t_step_end = now
         self._arm_after(step)
         params_due = self._due(step, self.cfg.param_check_every)
         self.resting.record(step, self._params(model_parts), params=params_due,
@@ -591,6 +651,11 @@ class SdcMonitor:
         rollback is caught like any other, and the next step's checks are armed if due."""
         self.resting.clear()
         self._last_verified = step
+        # what the sampled checks found clean was of the steps before: no rollback goes past this one
+        self.cross_clean_step = self.gemm_clean_step = step
+        if self.gemm_steps is not None:
+            self.gemm_steps.starting_at(step)
+        self._t_step_end = None
         if model_parts is not None and self.cfg.enable:
             self.resting.record(step, self._params(model_parts), params=self.cfg.param_check_every > 0,
                                 state=self.cfg.state_check_every > 0)

@@ -49,7 +49,7 @@ def test_the_period_follows_the_budget_within_the_bound():
     assert period_for(0.001, 0.01, 50) == 1
     cc = CrossCheck(0.01, 50, rank=0, world=2)
     assert [s for s in range(1, 40) if cc.due(s)] == [34, 35, 36, 37, 38, 39]   # until it runs
-    cc.next_step = 34 + cc.period                                 # what run() sets: the last sample + the period
+    cc.steps.measured(34, 1 / 3)                                   # what run() does: the next one a period on
     assert [s for s in range(35, 100) if cc.due(s)][:1] == [68]
     assert not CrossCheck(0.01, 50, rank=0, world=1).active and not CrossCheck(0.0, 50, rank=0, world=2).due(34)
 

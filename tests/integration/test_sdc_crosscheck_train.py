@@ -1,9 +1,11 @@
-"""The sampled cross-device replay in the demo trainer, with no sdc knob set: a device
-whose attention output is persistently wrong (a sign flip on every forward) is found at
-the first sampled step after the fault begins (the period printed at start: within
-``sdc.cross_check_max_period`` steps at most) and attributed to its rank with three ranks;
-a transient flip on a sampled step is replayed away and the run ends bitwise equal to its
-fault-free twin."""
+"""The sampled checks of what devices compute in the demo trainer, with no sdc knob set: a
+device whose attention output is persistently wrong (a sign flip on every forward) is found
+by the cross-device replay at the first sampled step after the fault begins (the period
+printed at start: within ``sdc.cross_check_max_period`` steps at most) and attributed to its
+rank with three ranks; one whose grad-input GEMM is persistently wrong (the backward: no
+forward recompute sees it) is found by the sampled GEMM checks at their first sample after
+the fault; both quarantined, the state rolled back to before the fault; a transient flip on
+a sampled step is replayed away and the run ends bitwise equal to its fault-free twin."""
 
 from __future__ import annotations
 
@@ -41,6 +43,29 @@ def test_a_persistently_wrong_attention_output_is_found_and_attributed(corpus, t
     assert q["suspect_rank"] == 1
     rollbacks = [e for e in events(run, "rollback") if "to_step" in e and e.get("reason") == "sdc quarantine"]
     assert rollbacks and all(e["to_step"] <= 29 for e in rollbacks)   # before the fault began
+
+
+@pytest.mark.timeout(600)
+def test_a_persistently_wrong_backward_gemm_is_found_by_the_sampled_gemm_checks(corpus, tmp_path):
+    """FSDP2 over three ranks: a Linear's grad-input GEMM on rank 1 wrong from step 6."""
+    run = tmp_path / "backward"
+    over = tiny_overrides(corpus, 60, **{"train.global_batch": 9})
+    proc = run_launch(DEMO, run, over + [_inject(target="activation_grad", tensor="layers.0.feed_forward.w2",
+                                                 bit=31, element=5, rank=1, step=6, persistent=True)],
+                      nproc=3, check=False, timeout=420)
+    assert "checksummed GEMMs every 30 steps" in proc.stderr   # until the first sample measures the cost
+    samples = [e for e in events(run, "sdc_gemm_check") if e["rank"] == 0]
+    assert samples[0]["step"] == 3 and samples[0]["mismatches"] == 0 and 1 <= samples[0]["period"] <= 50
+    found = samples[0]["step"] + samples[0]["period"]   # the first sample after the fault began
+    assert samples[1]["step"] == found and samples[1]["mismatches"] > 0, samples
+    gemm = [e for e in events(run, "sdc_suspect") if e["kind"] == "gemm_mismatch" and not e["harmless"]]
+    assert gemm and {(e["suspect_rank"], e["step"]) for e in gemm} == {(1, found)}, gemm
+    assert {e["tensor"] for e in gemm} == {"0:layers.0.feed_forward.w2:grad_input"}   # part 0, the module, the GEMM
+    assert not [e for e in events(run, "sdc_suspect") if e["step"] < found], "a check saw it before the sample"
+    (q,) = [e for e in events(run, "quarantine") if e.get("suspect_rank") is not None]
+    assert q["suspect_rank"] == 1
+    rollbacks = [e for e in events(run, "rollback") if "to_step" in e and e.get("reason") == "sdc quarantine"]
+    assert rollbacks and all(e["to_step"] == 3 for e in rollbacks)   # the last clean sample, before the fault
 
 
 @pytest.mark.timeout(600)

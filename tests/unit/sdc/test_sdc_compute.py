@@ -255,3 +255,74 @@ def test_a_low_bit_flip_is_not_acted_on(tmp_path):
     assert _of(evs, "fault_injected")
     assert all(s["harmless"] for s in _of(evs, "sdc_suspect")), _of(evs, "sdc_suspect")
     assert not _of(evs, "sdc_replay") and not _of(evs, "rollback")
+
+
+def test_by_default_the_gemm_checks_run_on_sampled_steps_and_find_a_persistent_fault_within_the_bound():
+    """No sdc knob but the bound (5 steps, for a short test): the GEMM checks are armed on
+    the sampled steps only; a device whose grad-weight GEMM goes wrong from step 7 on is
+    found at the next sample (step 8: the first came at step 3, then every 5), judged
+    persistent on replay, and the rollback goes to the last sample that found every GEMM
+    clean (step 3), before the fault."""
+    from resilient.sdc.api import Action, Verdict
+
+    model = _model(torch.float32, True)
+    mon = SdcMonitor(SdcConfig(abft_max_period=5))
+    mon.watch_compute(model)
+    mon.note_restored(0, model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(8, 24, generator=gen) for _ in range(16)]
+    step_of = {"now": 0}
+
+    def bad_device(g):   # the grad-weight GEMM's result, wrong from step 7 on (every pass)
+        if step_of["now"] < 7:
+            return g
+        g = g.clone()
+        g.view(-1)[3] *= 256
+        return g
+
+    model[0].weight.register_hook(bad_device)
+    armed, decision = [], None
+    for step in range(1, 16):
+        step_of["now"] = step
+        armed.append(mon.gemms.armed)
+        x = batches[step]
+        model(x).square().mean().backward()
+        decision = mon.after_backward(step, model, None)
+        while decision.action is Action.REPLAY:
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            decision = mon.after_replay(step, model, None)
+        if decision.action is not Action.CONTINUE:
+            break
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mon.after_optimizer_step(step, model)
+    mon.close()
+    assert [s for s, on in enumerate(armed, 1) if on] == [3, 8]
+    assert step == 8 and decision.action is Action.QUARANTINE and decision.quarantine == [0]
+    assert decision.verdicts == {0: Verdict.PERSISTENT}
+    assert {s.tensor for s in decision.suspicions} == {"0:grad_weight"}
+    assert decision.rollback_to == 3 and mon.gemm_steps.samples == 2
+
+
+def test_the_gemm_checks_period_follows_the_measured_cost_and_their_knobs():
+    """The period follows the budget at the cost a sample measured (agreed: the largest over
+    ranks), within the bound; ``abft_every`` N overrides it; both at 0 attach nothing."""
+    from resilient.sdc.sampling import SampledSteps
+
+    steps = SampledSteps(0.01, 50, 0.3)
+    assert steps.period == 30 and [s for s in range(1, 31) if steps.due(s)] == [30]
+    steps.measured(30, 0.12)
+    assert steps.period == 12 and steps.next_step == 42 and abs(steps.cost() - 0.01) < 1e-9
+    steps.measured(42, 2.0)
+    assert steps.period == 50                       # the bound wins over the budget
+    model = _model(torch.float32, True)
+    default = SdcMonitor(SdcConfig())
+    default.note_restored(100)                      # a resumed run: the first sample 3 steps in
+    assert default.gemm_steps.period == 30 and [s for s in range(101, 140) if default._gemms_due(s)][:1] == [103]
+    every = SdcMonitor(SdcConfig(abft_every=3))
+    assert every.gemm_steps is None and [s for s in range(1, 10) if every._gemms_due(s)] == [3, 6, 9]
+    off = SdcMonitor(SdcConfig(abft_budget=0))
+    off.watch_compute(model)
+    assert off.gemms is None and off.describe_sampling() is None
