@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from resilient.runconfig import RuntimeConfig
 
 GPT_ENTRY = "resilient.gpt.worker"
-GPT_PRELOAD = ("torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
+GPT_PRELOAD = ("torch.distributed.fsdp", "torch._dynamo",   # fully_shard's first call imports dynamo (resilient.launch)
+               "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
                "resilient.gpt.train", "resilient.gpt.worker",
                "resilient.sdc.native:library")  # the SDC kernels: built once per machine, loaded once for every fork
 
