@@ -159,6 +159,7 @@ def summarize(got: dict[str, list[dict]], rounds: int, kills: int) -> dict:
              all(x is not None and x >= 1 for x in x_blk.values()), f"DCP blocks x as long: {x_blk}"),
     ]
     tiers = {k: sorted({str(r["tier"]) for j in jobs for r in j["kills"]}) for k, jobs in got.items()}
+    phases = recovery_phases([r for j in got[OURS] for r in j["kills"]])
     notes = [
         "Systems: " + "; ".join(f"{SHORT[k]} = {LABELS[k]}" for k in SHORT) + ".",
         f"{rounds} round(s), alternating which system starts the round; one job per system per round, "
@@ -175,6 +176,9 @@ def summarize(got: dict[str, list[dict]], rounds: int, kills: int) -> dict:
         "its default durable tier (file://RUN/checkpoints every 10 steps); DCP writes RUN/dcp/step-N every step "
         "to the same local disk, keeping the newest 2 complete ones.",
         "Commands (RUN = a temp dir): " + "; ".join(f"{k}: `{jobs[0]['command']}`" for k, jobs in got.items() if jobs),
+        f"Where ours goes, from the kill (median over the kills): {phases}. The zygote imports torch._dynamo "
+        "for its forks since 2026-12-07: FSDP2's fully_shard imported it on first use in every new worker "
+        "(1.2-1.4 s of a 3.7 s recovery before, cProfile of fully_shard).",
         "torchrun restarts the whole worker group cold (imports, process group, FSDP, dcp.load); on this loaded "
         "2-core box the imports take far longer than on an idle one. Read the ratios, measured side by side.",
         "GPU variant (CUDA, nccl, one or more devices): left for a session with a GPU; the example and toy.Batches "
@@ -184,6 +188,21 @@ def summarize(got: dict[str, list[dict]], rounds: int, kills: int) -> dict:
               goals, notes)
     out["jobs"] = got
     return out
+
+
+def recovery_phases(kills: list[dict]) -> str:
+    """The recovery's phases from :func:`common.kill_worker`'s marks, medians over ``kills``:
+    the failure seen, the new workers forked, their ``run_start`` (the script's top level, its
+    process group and model, the Job and its restore), the first step."""
+    import statistics
+
+    def med(key: str) -> str:
+        vals = [k[key] for k in kills if k.get(key) is not None]
+        return f"{statistics.median(vals):.2f} s" if vals else "n/a"
+
+    return (f"failure detected {med('detected_s')}, new workers forked (warm) {med('respawned_s')}, "
+            f"their run_start {med('run_start_s')} (of which the restore {med('restore_s')}), "
+            f"first step {med('recovery_s')}")
 
 
 def draw(figures: dict, out_dir: Path) -> str:
