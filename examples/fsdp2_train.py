@@ -7,7 +7,9 @@ sample index through a resumable sampler, so a step sees the same samples
 whatever the number of ranks. The lines marked ``# resilient`` are all it
 takes to get snapshots in node RAM, peer replicas and durable storage,
 restore (resharded to the current number of ranks) after any failure,
-preemption handling, and the SDC checks::
+preemption handling, and the SDC checks (``batch=`` and ``recompute=``: a sampled
+step's forward recomputed on a neighbour's device, the check that sees a device
+computing a wrong attention or norm)::
 
     resilient launch --nproc-per-node 2 examples/fsdp2_train.py --steps 200
     torchrun --nproc-per-node 2 examples/fsdp2_train.py --steps 200   # durable tier only
@@ -38,7 +40,8 @@ def train(model: torch.nn.Module, args, rank: int, world: int) -> None:
 
     for step in job.steps(args.steps):                                     # resilient
         loss = batches.forward_backward(step)
-        if not job.verify(loss, replay=lambda: batches.forward_backward(step)):  # resilient
+        if not job.verify(loss, replay=lambda: batches.forward_backward(step),  # resilient
+                          batch=batches.batch(step), recompute=batches.loss):    # resilient
             continue                                                       # resilient
         optimizer.step()
         optimizer.zero_grad()

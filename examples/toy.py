@@ -119,15 +119,23 @@ class Batches:
                 self.rank * self.local:(self.rank + 1) * self.local]}
         return self._ids[step]
 
-    def forward_backward(self, step: int) -> torch.Tensor:
-        """The loss of step ``step`` on this rank's share of the batch, gradients accumulated."""
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (inputs, targets) of step ``step``."""
+        data = batch_for(self.ids(step), self.args.seed)
+        return data[:, :-1], data[:, 1:]
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch (what a cross-device replay recomputes, without gradients)."""
         import torch.nn.functional as F
 
+        return F.cross_entropy(self.model(inputs).reshape(-1, VOCAB), targets.reshape(-1))
+
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """The loss of step ``step`` on this rank's share of the batch, gradients accumulated."""
         if getattr(self.args, "pace", 0):
             import time
 
             time.sleep(self.args.pace)
-        data = batch_for(self.ids(step), self.args.seed)
-        loss = F.cross_entropy(self.model(data[:, :-1]).reshape(-1, VOCAB), data[:, 1:].reshape(-1))
+        loss = self.loss(*self.batch(step))
         loss.backward()
         return loss

@@ -5,7 +5,10 @@ ranks, ``resilient.Job`` around the loop.
 A flipped gradient bit on one rank is caught by the linear check of FSDP2's
 reduce-scatter within its step, pinned on that rank, replayed away: the run ends
 bitwise equal to the fault-free one. A parameter flipped at rest is caught
-before the next forward and rolled back: bitwise equal too."""
+before the next forward and rolled back: bitwise equal too. A block's output
+flipped on a sampled step (what no gradient check can see: the device computed
+it wrong) is found by the cross-device replay the example's ``batch=`` and
+``recompute=`` enable, replayed away: bitwise equal."""
 
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ def train(rank, world, run_dir, *sets, evaluate_every: int = 0):
     try:
         for step in job.steps(STEPS):
             loss = batches.forward_backward(step)
-            if not job.verify(loss, replay=lambda: batches.forward_backward(step)):
+            if not job.verify(loss, replay=lambda: batches.forward_backward(step),
+                              batch=batches.batch(step), recompute=batches.loss):
                 continue
             opt.step()
             opt.zero_grad()
@@ -107,6 +111,19 @@ def test_parameter_flip_at_rest_rolls_back(pool, clean, tmp_path):
     assert suspects and all(s["kind"] == "param_at_rest" and s["suspect_rank"] == 0 for s in suspects), suspects
     assert [e for e in events(tmp_path, "rollback") if "step" not in e], "no rollback"
     assert results == clean[1], "the rolled-back run differs from the fault-free run"
+
+
+def test_a_wrong_block_output_on_a_sampled_step_is_found_by_the_cross_device_replay(pool, clean, tmp_path):
+    """Samples every 4 steps (the default period, 34, is past this short run); rank 1's first
+    block computes a wrong output in step 8's forward: its neighbour's recompute disagrees
+    (two ranks: a tie, both named), the replay on each device heals it."""
+    flip = 'sdc.inject=[{target="activation", tensor="layers.0", bit=31, element=3, rank=1, step=8}]'
+    results = pool.run(train, str(tmp_path), "sdc.cross_check_max_period=4", flip)
+    cross = [e for e in events(tmp_path, "sdc_suspect") if e["kind"] == "cross_check_mismatch"]
+    assert {(e["suspect_rank"], e["step"]) for e in cross} == {(0, 8), (1, 8)}, cross
+    assert (1, "transient") in {(v["suspect_rank"], v["verdict"]) for v in events(tmp_path, "sdc_verdict")}
+    assert not events(tmp_path, "quarantine") and not events(tmp_path, "rollback")
+    assert results == clean[1], "the replayed step differs from the fault-free run"
 
 
 def test_an_evaluation_in_the_loop_body_is_not_a_fault(pool, clean, tmp_path):
