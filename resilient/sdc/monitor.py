@@ -285,8 +285,8 @@ class SdcMonitor:
     def describe_sampling(self) -> str | None:
         """The GEMM checks' schedule, for the start line (None: not sampled)."""
         g = self.gemm_steps
-        if g is None or self.gemms is None or not g.active:
-            return None
+        if g is None or self.gemms is None or not g.active or not self.gemms.covered:
+            return None   # not sampled, or no Linear to check
         return (f"checksummed GEMMs every {g.period} steps ({len(self.gemms.covered)} Linear layers, forward and "
                 f"backward; budget {100 * g.budget:g}% of step time at a checked step ≈ {1 + g.share:.2f}x, "
                 f"re-measured at each sample; a persistent fault is found within {g.max_period} steps at most)")

@@ -2,7 +2,9 @@
 user's FSDP2 script on one run dir (two active, one standby) and no --rdzv-endpoint. The
 first agent's embedded etcd grows into a three-member cluster as the others join. kill -9 of
 the first agent's process group and of the etcd member it started, and its data dir deleted
-(a lost machine): the other two finish, bitwise equal to the fault-free run."""
+(a lost machine): the other two finish, bitwise equal to the fault-free run; the lost machine's
+replacement, launched on the run dir as the first agent was, takes over its stale claim and
+joins the cluster that outlived it (its sealed members record), as a standby."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from resilient.launch import default_run_id
 from resilient.snapshot.nodestore import reclaim
 
 EXAMPLE = REPO / "examples" / "fsdp2_train.py"
-STEPS = 80
+STEPS = 110   # enough left after the kill for the replacement to join before the end
 SETS = ["snapshot.every=1", "snapshot.durable_every=1000", "snapshot.replicas=1", "launch.heartbeat_timeout=60",
         "launch.etcd_members=3"]
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(420)]
@@ -72,11 +74,19 @@ def test_first_agent_lost_with_its_etcd_member_and_data_the_others_finish_bitwis
         except ProcessLookupError:
             pass   # gone with its agent already (pdeathsig)
         shutil.rmtree(data.parent if data.name == "data" else data)   # its data dir, log and all
+        # The lost machine's replacement, launched as the first one was: the run dir's claim names
+        # a dead owner, its sealed members record the cluster that lives on in b and c. It must
+        # join that cluster (a standby), never start a second etcd the others cannot see.
+        d = start("d")
+        wait_for(lambda: "outlived the agent that started it; this agent joins it" in d.output(), 120,
+                 "the replacement joining the surviving cluster")
+        assert "with client TLS and authentication" not in d.output(), d.output()[-3000:]   # no etcd of its own
         assert b.wait(300) == 0, b.output()[-3000:]
         assert c.wait(120) == 0, c.output()[-3000:]
+        assert d.wait(120) == 0, d.output()[-3000:]
         stops = {e["node"]: e["reason"] for e in events(run, "agent_stop")}
         assert stops.get("b") == "finished" and stops.get("c") == "finished", stops
-        assert "removed etcd member" in b.output() + c.output()   # the dead member left the cluster
+        assert "removed etcd member" in b.output() + c.output() + d.output(), d.output()[-3000:]   # the dead member left
     finally:
         for agent in agents.values():
             agent.close()
