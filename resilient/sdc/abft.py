@@ -270,7 +270,6 @@ class GemmCheck:
         use = module._resilient_abft_use = _Use(name, torch.float32)   # filled by _post
         return (_TapGrad.apply(args[0], lambda g: self._grad_input(use, g)),) + tuple(args[1:])
 
-    @_timed
     def _post(self, name: str, module: nn.Module, args: tuple, out: torch.Tensor, check_dw: bool) -> None:
         use = module.__dict__.pop("_resilient_abft_use", None)
         if not (self.armed and torch.is_grad_enabled() and isinstance(out, torch.Tensor)):
@@ -280,6 +279,7 @@ class GemmCheck:
         with torch.autocast(y.device.type, enabled=False):
             return self._forward(name, module, local(args[0]).detach(), out, y, use, check_dw)
 
+    @_timed   # from here, not _post: a step whose checks are not armed pays no clock
     def _forward(self, name: str, module: nn.Module, x: torch.Tensor, out: torch.Tensor, y: torch.Tensor,
                  use: _Use | None, check_dw: bool) -> None:
         w, b = module.weight, module.bias
@@ -356,22 +356,26 @@ class GemmCheck:
         self._record(use.name, "grad_input", dx.reshape(-1, dx.shape[-1]).to(use.dtype), use.expect_dx, use.scale_dx,
                      use.w_rows.numel(), use.dtype)
 
-    @_timed
     def _grad_weight(self, key: int, name: str, g: torch.Tensor) -> None:
-        p = self._pending.pop(key, None)
+        p = self._pending.pop(key, None)   # the hook stays for the run: most passes record nothing
         if p is None or p.task != torch._C._current_graph_task_id():
             return None
-        self._record(name, "grad_weight", local(g).detach().to(p.dtype), p.expect, p.scale, p.inner, p.dtype)
+        self._check_grad_weight(name, g, p)
         return None
 
-    # ---- the step's verdict ----------------------------------------------------
     @_timed
+    def _check_grad_weight(self, name: str, g: torch.Tensor, p: _Pending) -> None:
+        self._record(name, "grad_weight", local(g).detach().to(p.dtype), p.expect, p.scale, p.inner, p.dtype)
+
+    # ---- the step's verdict ----------------------------------------------------
     def collect(self, step: int, rank: int) -> list[Suspicion]:
         """This rank's GEMMs since the last collect whose identity failed beyond rounding."""
         results, self._results = self._results, []
         self._pending.clear()
-        if not results:
-            return []
+        return self._judge(results, step, rank) if results else []
+
+    @_timed
+    def _judge(self, results: list[tuple[str, str, torch.Tensor]], step: int, rank: int) -> list[Suspicion]:
         rows = torch.stack([r for _, _, r in results]).cpu()   # one copy: [n, 5]
         out = []
         for (name, gemm, _), (ratio, diff, bound, row, harm) in zip(results, rows.tolist()):

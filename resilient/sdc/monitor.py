@@ -262,17 +262,22 @@ class SdcMonitor:
             return self._due(step, self.cfg.abft_every)
         return self.cfg.enable and self.gemm_steps.due(step)
 
+    @property
+    def _gemms_sampling(self) -> bool:
+        """Is the step being run one the budget sampled for the GEMM checks?"""
+        return self.gemm_steps is not None and self.gemms is not None and self.gemms.armed
+
     def _gemm_share(self) -> float:
         """This rank's GEMM checks of the step just run as a share of a plain step (-1: no
         plain step measured yet, or not a sampled step)."""
-        if self.gemm_steps is None or self.gemms is None or not self.gemms.armed or not self._plain_step_s:
+        if not self._gemms_sampling or not self._plain_step_s:
             return -1.0
         return (self.gemms.spent.wall - self._gemm_spent_at_arm) / self._plain_step_s
 
     def _gemms_sampled(self, step: int, shares: torch.Tensor, sus: list[Suspicion]) -> None:
         """After a sampled step's exchange: the next period from the largest share any rank
         measured (the same on every rank); the step is clean unless a GEMM check failed."""
-        if self.gemm_steps is None or self.gemms is None or not self.gemms.armed:
+        if not self._gemms_sampling:
             return
         share = float(shares.max())
         self.gemm_steps.measured(step, share if share >= 0 else self.gemm_steps.share)

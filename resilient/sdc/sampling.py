@@ -47,7 +47,8 @@ class SampledSteps:
     def __post_init__(self) -> None:
         self.share = self.assumed_share
         self.period = period_for(self.share, self.budget, self.max_period)
-        self.next_step = self.period if self.first is None else min(self.first, self.period)
+        self.next_step = self.period
+        self.starting_at(0)
 
     @property
     def active(self) -> bool:

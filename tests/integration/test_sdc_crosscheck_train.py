@@ -56,8 +56,11 @@ def test_a_persistently_wrong_backward_gemm_is_found_by_the_sampled_gemm_checks(
     assert "checksummed GEMMs every 30 steps" in proc.stderr   # until the first sample measures the cost
     samples = [e for e in events(run, "sdc_gemm_check") if e["rank"] == 0]
     assert samples[0]["step"] == 3 and samples[0]["mismatches"] == 0 and 1 <= samples[0]["period"] <= 50
-    found = samples[0]["step"] + samples[0]["period"]   # the first sample after the fault began
-    assert samples[1]["step"] == found and samples[1]["mismatches"] > 0, samples
+    # the first sample after the fault began (step 6): each sample came a measured period after the last
+    assert all(b["step"] == a["step"] + a["period"] for a, b in zip(samples, samples[1:])), samples
+    hit = next(i for i, e in enumerate(samples) if e["step"] >= 6)
+    found = samples[hit]["step"]
+    assert samples[hit]["mismatches"] > 0 and not any(e["mismatches"] for e in samples[:hit]), samples
     gemm = [e for e in events(run, "sdc_suspect") if e["kind"] == "gemm_mismatch" and not e["harmless"]]
     assert gemm and {(e["suspect_rank"], e["step"]) for e in gemm} == {(1, found)}, gemm
     assert {e["tensor"] for e in gemm} == {"0:layers.0.feed_forward.w2:grad_input"}   # part 0, the module, the GEMM
@@ -65,7 +68,7 @@ def test_a_persistently_wrong_backward_gemm_is_found_by_the_sampled_gemm_checks(
     (q,) = [e for e in events(run, "quarantine") if e.get("suspect_rank") is not None]
     assert q["suspect_rank"] == 1
     rollbacks = [e for e in events(run, "rollback") if "to_step" in e and e.get("reason") == "sdc quarantine"]
-    assert rollbacks and all(e["to_step"] == 3 for e in rollbacks)   # the last clean sample, before the fault
+    assert rollbacks and all(e["to_step"] == samples[hit - 1]["step"] for e in rollbacks)   # the last clean sample, before the fault
 
 
 @pytest.mark.timeout(600)

@@ -258,7 +258,8 @@ def test_a_low_bit_flip_is_not_acted_on(tmp_path):
 
 
 def test_by_default_the_gemm_checks_run_on_sampled_steps_and_find_a_persistent_fault_within_the_bound():
-    """No sdc knob but the bound (5 steps, for a short test): the GEMM checks are armed on
+    """No sdc knob but the bound (5 steps, for a short test) and a budget so small that the
+    bound decides whatever the measured cost (a loaded host must not move the samples): the GEMM checks are armed on
     the sampled steps only; a device whose grad-weight GEMM goes wrong from step 7 on is
     found at the next sample (step 8: the first came at step 3, then every 5), judged
     persistent on replay, and the rollback goes to the last sample that found every GEMM
@@ -266,7 +267,7 @@ def test_by_default_the_gemm_checks_run_on_sampled_steps_and_find_a_persistent_f
     from resilient.sdc.api import Action, Verdict
 
     model = _model(torch.float32, True)
-    mon = SdcMonitor(SdcConfig(abft_max_period=5))
+    mon = SdcMonitor(SdcConfig(abft_max_period=5, abft_budget=1e-9))
     mon.watch_compute(model)
     mon.note_restored(0, model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
