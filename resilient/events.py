@@ -89,6 +89,12 @@ class EventLog:
         self.close()
 
 
+def emit(events: "EventLog | None", kind: str, **fields: Any) -> None:
+    """``events.emit(kind, ...)`` where a component may run without an event log (None)."""
+    if events is not None:
+        events.emit(kind, **fields)
+
+
 def read_events(path: str | os.PathLike) -> Iterator[dict]:
     """Yield the events of a log, skipping a torn last line (a killed writer)."""
     with open(path, "rb") as f:

@@ -21,11 +21,12 @@ from itertools import product
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from resilient.snapshot.api import SnapshotError
+
+# torch.distributed.tensor is imported where a placement is read (the functions below), not
+# with this module: the agent's node store and restore planning use the boxes' geometry alone,
+# and importing the DTensor package cost each agent ~1.2 s of CPU at its start (-X importtime).
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,10 @@ def shard_pieces(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: 
     """The pieces of the shard held at mesh coordinate ``coord``.
 
     Pure arithmetic (no process group), so tests can simulate any layout."""
+    from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     shape = list(global_shape)
     index: dict[int, torch.Tensor] = {}
     # A dim split once by a plain Shard holds one contiguous range: (global offset, size), in
@@ -128,6 +133,8 @@ def is_primary_replica(coord: Sequence[int], placements: Sequence) -> bool:
 
     Replicas of a shard differ only in mesh dims where the placement is
     ``Replicate``; the one with coordinate 0 on all of them writes."""
+    from torch.distributed.tensor import Replicate
+
     return all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
 
 
@@ -137,6 +144,7 @@ def local_pieces(t: torch.Tensor) -> tuple[tuple[int, ...], list[Piece], bool]:
     A plain tensor is one full piece; whether a rank writes a plain tensor is
     decided by the caller (the lowest rank that holds its name)."""
     from torch.distributed.tensor import DTensor
+
     if isinstance(t, DTensor):
         mesh = t.device_mesh
         coord = mesh.get_coordinate()

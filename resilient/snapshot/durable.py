@@ -44,12 +44,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from resilient.snapshot.api import ChunkRecord, Manifest, SnapshotError, SnapshotIncomplete, TensorRecord
+from resilient.events import emit
+from resilient.snapshot.api import ChunkRecord, Manifest, SnapshotError, TensorRecord
 from resilient.snapshot.capture import Slot, SlotRing, chunk_views
 from resilient.snapshot.auth import VersionAuth, report as report_auth
 from resilient.snapshot.format import (
-    MANIFEST_NAME, MAX_INFLATE, check_no_overlap, checksum, compress, crc, dtype_name, manifest_from_json, manifest_to_json,
-    should_compress, version_dir,
+    MANIFEST_NAME, MAX_INFLATE, checksum, compress, crc, dtype_name, manifest_from_json, manifest_to_json,
+    merge_rank_manifests, should_compress, version_dir,
 )
 from resilient.snapshot.priority import UPLOAD_NICE, background_priority
 from resilient.snapshot.retention import collect_garbage
@@ -69,11 +70,6 @@ class DurableOptions:
     chunk_bytes: int = 16 << 20
     commit_timeout: timedelta = timedelta(minutes=30)
     retry: RetryPolicy = RetryPolicy()
-
-
-def emit(events: Any, kind: str, **fields: Any) -> None:
-    if events is not None:
-        events.emit(kind, **fields)
 
 
 def _background_priority() -> None:
@@ -366,39 +362,3 @@ class Committer:
             self._pending.clear()
             self._cond.notify_all()
         self._thread.join(timeout.total_seconds())
-
-
-def merge_rank_manifests(parts: list[Manifest], where: str) -> Manifest:
-    """The global manifest of a version from its rank manifests; checks every tensor is tiled."""
-    first = parts[0]
-    tensors: dict[str, TensorRecord] = {}
-    values: dict[str, Any] = {}
-    for m in parts:
-        if (m.step, m.attempt, m.world) != (first.step, first.attempt, first.world):
-            raise SnapshotError(f"{where}: rank manifests disagree on step/attempt/world", where)
-        for name, t in m.tensors.items():
-            have = tensors.setdefault(name, TensorRecord(name, t.shape, t.dtype))
-            if (have.shape, have.dtype) != (t.shape, t.dtype):
-                raise SnapshotError(f"{where}: ranks disagree on {name!r}: {have.shape}/{have.dtype} vs {t.shape}/{t.dtype}", where)
-            have.chunks.extend(t.chunks)
-        for k, v in m.values.items():
-            values.setdefault(k, v)
-    for t in tensors.values():
-        check_no_overlap(t, where)  # across ranks: then the count below means tiled
-        covered = sum(_volume(c.sizes) for c in t.chunks)
-        if covered != t.numel:
-            raise SnapshotIncomplete(f"{where}: {t.name!r} has {covered} of {t.numel} elements stored", where)
-    return Manifest(step=first.step, world=first.world, layout=first.layout, config_digest=first.config_digest,
-                    attempt=first.attempt, tensors=tensors, values=values,
-                    rank_extras={r: e for m in parts for r, e in m.rank_extras.items()},
-                    extra=parts[0].extra if parts[0].rank == 0 else next((m.extra for m in parts if m.rank == 0), None),
-                    created=time.time(), rank=None,
-                    # rank 0's: the rank that rolls back knows the epoch (the others' may lag)
-                    epoch=next((m.epoch for m in parts if m.rank == 0), first.epoch))
-
-
-def _volume(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n

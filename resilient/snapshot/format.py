@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import re
+import time
 import zlib
 from array import array
 
@@ -29,7 +30,8 @@ from typing import Any
 import torch
 
 from resilient.snapshot.api import (
-    VERSION_PREFIX, ChunkRecord, FormatVersionError, Manifest, SnapshotCorrupt, TensorRecord,
+    VERSION_PREFIX, ChunkRecord, FormatVersionError, Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete,
+    TensorRecord,
 )
 
 FORMAT_NAME = "resilient.snapshot"
@@ -402,9 +404,38 @@ def check_no_overlap(t: TensorRecord, where: str) -> None:
                               f"{list(b.offsets)}+{list(b.sizes)}); the manifest is damaged", where)
 
 
+def merge_rank_manifests(parts: list[Manifest], where: str) -> Manifest:
+    """The global manifest of a version from its rank manifests; checks every tensor is tiled."""
+    first = parts[0]
+    tensors: dict[str, TensorRecord] = {}
+    values: dict[str, Any] = {}
+    for m in parts:
+        if (m.step, m.attempt, m.world) != (first.step, first.attempt, first.world):
+            raise SnapshotError(f"{where}: rank manifests disagree on step/attempt/world", where)
+        for name, t in m.tensors.items():
+            have = tensors.setdefault(name, TensorRecord(name, t.shape, t.dtype))
+            if (have.shape, have.dtype) != (t.shape, t.dtype):
+                raise SnapshotError(f"{where}: ranks disagree on {name!r}: {have.shape}/{have.dtype} vs {t.shape}/{t.dtype}", where)
+            have.chunks.extend(t.chunks)
+        for k, v in m.values.items():
+            values.setdefault(k, v)
+    for t in tensors.values():
+        check_no_overlap(t, where)  # across ranks: then the count below means tiled
+        covered = sum(math.prod(c.sizes) for c in t.chunks)
+        if covered != t.numel:
+            raise SnapshotIncomplete(f"{where}: {t.name!r} has {covered} of {t.numel} elements stored", where)
+    return Manifest(step=first.step, world=first.world, layout=first.layout, config_digest=first.config_digest,
+                    attempt=first.attempt, tensors=tensors, values=values,
+                    rank_extras={r: e for m in parts for r, e in m.rank_extras.items()},
+                    extra=parts[0].extra if parts[0].rank == 0 else next((m.extra for m in parts if m.rank == 0), None),
+                    created=time.time(), rank=None,
+                    # rank 0's: the rank that rolls back knows the epoch (the others' may lag)
+                    epoch=next((m.epoch for m in parts if m.rank == 0), first.epoch))
+
+
 def rank_manifest_boxes(doc: dict, where: str) -> Manifest:
     """What decides whether a version's rank manifests tile each tensor exactly once (the
-    input of :func:`~resilient.snapshot.durable.merge_rank_manifests`): step, attempt,
+    input of :func:`merge_rank_manifests`): step, attempt,
     world and each tensor's shape, dtype and chunk boxes, from a rank manifest already
     parsed (``json.loads``), each box checked to lie inside its tensor's shape.
 

@@ -31,7 +31,7 @@ between them: :meth:`Replicator._budget`), and
 
    Before it commits, the agent checks that the version's rank manifests tile every tensor
    exactly once with one global shape (the check a restore and the durable committer
-   make, :func:`~resilient.snapshot.durable.merge_rank_manifests`): a version no
+   make, :func:`~resilient.snapshot.format.merge_rank_manifests`): a version no
    restore could use is not committed (``upload_error``, ``phase = "commit"``, and
    one warning per worker group), and the run goes on with the durable tier.
 
@@ -76,9 +76,8 @@ from resilient.errors import ConfigError
 from resilient.secret import COMMIT, JobSecret, Unauthentic, report_unauthentic
 from resilient.snapshot.api import CommitProtocol, SnapshotCorrupt, SnapshotIncomplete
 from resilient.snapshot.auth import VersionAuth, object_macs, report as report_auth
-from resilient.snapshot.durable import merge_rank_manifests
 from resilient.snapshot.epoch import EpochFence
-from resilient.snapshot.format import object_crcs, rank_manifest_boxes, tiled_chunks, version_dir
+from resilient.snapshot.format import merge_rank_manifests, object_crcs, rank_manifest_boxes, tiled_chunks, version_dir
 from resilient.snapshot.nodestore import Doorbell, LocalVersion, NodeStore
 from resilient.snapshot.peer import PeerClient, PeerError, SnapshotError
 from resilient.snapshot.etcdcommit import EtcdCommit
@@ -464,7 +463,7 @@ class Replicator:
                  parsed: dict[int, dict]) -> SnapshotError | None:
         """Why no restore could use ``v``, or None: its rank manifests must tile every tensor
         exactly once with one global shape, as a restore's (and the durable committer's)
-        :func:`~resilient.snapshot.durable.merge_rank_manifests` demands. A layout bug that
+        :func:`~resilient.snapshot.format.merge_rank_manifests` demands. A layout bug that
         writes a box twice otherwise commits every version and fails every restore.
 
         Cost, per version on a host that trains: the manifests ``_push`` parsed are reused;

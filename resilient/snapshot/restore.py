@@ -26,7 +26,7 @@ from resilient.snapshot.api import (
 from resilient.snapshot.auth import admit, report as report_auth
 from resilient.snapshot.boxes import Box, local_pieces
 from resilient.snapshot.capture import ALIGN
-from resilient.snapshot.durable import emit
+from resilient.events import emit
 from resilient.snapshot.flatten import iter_leaves
 from resilient.snapshot.format import dtype_name
 from resilient.snapshot.reader import SnapshotReader, fill_many

@@ -32,7 +32,8 @@ from resilient.snapshot.config import SnapshotConfig
 from resilient.snapshot.boxes import replica_claims, replicas_left_to_others
 from resilient.snapshot.capture import SlotRing, build_plan, state_signature
 from resilient.snapshot import retention
-from resilient.snapshot.durable import Committer, DurableOptions, Uploader, emit
+from resilient.events import emit
+from resilient.snapshot.durable import Committer, DurableOptions, Uploader
 from resilient.snapshot.flatten import split_state
 from resilient.snapshot.reader import SnapshotReader
 from resilient.snapshot.restore import restore_state

@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from resilient.contract import STORE_ENV
+from resilient.events import emit
 from resilient.ledger import Copy
 from resilient.snapshot.api import Manifest, SnapshotCorrupt, SnapshotError, SnapshotIncomplete, TensorRecord, ChunkRecord
 from resilient.snapshot.auth import VersionAuth, report as report_auth
 from resilient.snapshot.commits import CommitRecord, abandon_commits_after, read_commits_epoch, run_epoch
-from resilient.snapshot.durable import emit, merge_rank_manifests
 from resilient.snapshot.epoch import Epoch
-from resilient.snapshot.format import manifest_from_json, version_dir
+from resilient.snapshot.format import manifest_from_json, merge_rank_manifests, version_dir
 from resilient.snapshot.nodestore import NodeStore, rank_of
 from resilient.snapshot.peer import PeerClient, PeerError
 from resilient.snapshot.reader import SnapshotReader, chunk_view, decode_chunk, open_chunk
