@@ -188,5 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console() -> int:
+    """The ``resilient`` command and ``python -m resilient.cli``: :func:`main`; a launch then
+    ends without the interpreter's teardown of torch (:func:`resilient.procs.exit_without_teardown`).
+    Tests call :func:`main` in their own process."""
+    code = main()
+    if sys.argv[1:2] == ["launch"]:
+        from resilient.procs import exit_without_teardown
+
+        exit_without_teardown(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

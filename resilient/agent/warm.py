@@ -277,7 +277,12 @@ def main() -> int:
         return 0  # the agent closed the pipe: not needed
     _preload(setup.get("preload", []))
     if len(sys.argv) == 3 and sys.argv[1] == "--zygote":
-        return _zygote(int(sys.argv[2]), lines)
+        code = _zygote(int(sys.argv[2]), lines)
+        # The zygote opened nothing of its own to close: it ends without the teardown of
+        # torch and the preloaded modules, which its agent waited for at every run's end
+        from resilient.procs import exit_without_teardown
+
+        exit_without_teardown(code)
     assignment = lines.next_blocking()
     if assignment is None:
         return 0  # the agent closed the pipe: not needed
