@@ -294,7 +294,7 @@ class SdcMonitor:
             return None   # not sampled, or no Linear to check
         return (f"checksummed GEMMs every {g.period} steps ({len(self.gemms.covered)} Linear layers, forward and "
                 f"backward; budget {100 * g.budget:g}% of step time at a checked step ≈ {1 + g.share:.2f}x, "
-                f"re-measured at each sample; a persistent fault is found within {g.max_period} steps at most)")
+                f"re-measured at each sample; a persistent fault beyond rounding is found within {g.max_period} steps at most)")
 
     def _arm_after(self, step: int) -> None:
         """The next step's backward records its reductions only if that step will be checked."""
