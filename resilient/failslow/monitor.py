@@ -249,16 +249,24 @@ class FailSlowMonitor:
                          steps_of_evidence=s.steps_of_evidence, evidence=evidence)
 
     def _device_probed(self, s: Straggler) -> Straggler | None:
-        """A rank the timings name, probed: named if its compute is slow beside the others'
-        (alone: a device; with all its node mates: the host), else let go (a ``failslow_probe``
-        event). A suspect (evidence past the configured level, not past its noise's:
-        detector.py) needs the probe to find more. Why every one: on the soak's host, the
-        timings alone named ranks nobody had slowed (its own time swings 0-200 ms a step)."""
+        """A rank (or a host: its node's ranks) the timings name, probed: named if its compute
+        is slow beside the others' (alone: a device; with all its node mates: the host: the
+        probe, not the timings, says which), else let go (a ``failslow_probe`` event). A suspect
+        (evidence past the configured level, not past its noise's: detector.py) needs the probe
+        to find more. Why every one: on the soak's host, the timings alone named ranks nobody
+        had slowed (its own time swings 0-200 ms a step). Why a host's too: the timings call it
+        a host when every mate's evidence is past half the level; on CI's loaded host rank 0,
+        the slowed rank's mate there (it gathers the timings), got there with the slowed rank
+        alone stopped, and the campaign's device was named a host (stop 53's CI)."""
         j = self._probe()
         evidence = {**s.evidence, **j["evidence"], "probed": True}
         need = SUSPECT_CONFIRM if s.evidence.get("suspected") else SLOW_COMPUTE
         if j["cause"] in ("device", "host") and s.slow_rank in j["slow_ranks"] and j["factor"] >= need:
             self._hold(j["slow_ranks"])
+            if self.courier is not None and (spared := [r for r in s.slow_ranks if r not in j["slow_ranks"]]):
+                # the timings' host verdict raised every mate; the probe found this rank alone
+                # slow: the mates are judged afresh (one that goes slow later is named then)
+                self.courier.retry(spared, PROBE_RETRY)
             return Straggler(step=s.step, cause=j["cause"], factor=s.factor, slow_rank=s.slow_rank,
                              slow_ranks=j["slow_ranks"], slow_node=s.slow_node, steps_of_evidence=s.steps_of_evidence,
                              evidence={**evidence, "probe_factor": round(j["factor"], 3)})
@@ -273,11 +281,11 @@ class FailSlowMonitor:
         return None
 
     def _verdict(self, s: Straggler, rows: list[list[float]]) -> None:
-        if s.cause in ("link", "device"):
-            probed = self._probed(s) if s.cause == "link" else self._device_probed(s)
-            if probed is None:
-                return
-            s = probed
+        # every verdict is probed before it is named: a link located, a device or a host borne out
+        probed = self._probed(s) if s.cause == "link" else self._device_probed(s)
+        if probed is None:
+            return
+        s = probed
         step_seconds = median(r[WALL] for r in rows) / self.cfg.every
         remaining = self.total_steps - s.step if self.total_steps is not None else None
         reform, seat = self.reform_seconds or 0.0, None

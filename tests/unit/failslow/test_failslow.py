@@ -188,6 +188,34 @@ def test_a_device_verdict_the_probe_did_not_bear_out_is_judged_again_and_a_later
     assert kinds == ["failslow_probe", "straggler"], kinds
 
 
+@pytest.mark.parametrize("probe,named", [
+    ([0.070, 0.071, 0.160, 0.069], ("device", [2])),       # the probe finds rank 2 alone slow
+    ([0.070, 0.071, 0.160, 0.158], ("host", [2, 3])),      # and both ranks of node b
+])
+def test_a_host_verdict_of_the_timings_is_probed_and_the_probe_says_device_or_host(tmp_path, monkeypatch,
+                                                                                    probe, named):
+    """Stop 53's CI: the slow-rank campaign slowed one rank; its mate on the same node (rank 0
+    there, which gathers the timings) had half a verdict's evidence from the host's load, and the
+    timings named the node a host, unprobed. Now the probe says which, and a mate it spared is
+    judged afresh (re-armed after PROBE_RETRY exchanges)."""
+    from resilient.events import EventLog
+    from resilient.failslow import monitor
+
+    monkeypatch.setattr(monitor, "run_probe", lambda *a: (probe, [0.002] * 4))
+    mon = monitor.FailSlowMonitor(FailSlowConfig(), group=None, rank=0, world=4, node="a",
+                                  events=EventLog(tmp_path / "events.jsonl", rank=0))
+    try:
+        mon.nodes, mon.courier, mon._raised = ["a", "a", "b", "b"], _Retries(), {2, 3}
+        mon._verdict(Straggler(step=30, cause="host", factor=2.0, slow_rank=2, slow_ranks=[2, 3], slow_node="b",
+                               steps_of_evidence=4), [[0.05, 0.01, 0.0, 0.0, 0.06, 0.0]] * 4)
+        [(verdict, _)] = mon.stragglers
+        assert (verdict.cause, verdict.slow_ranks, verdict.slow_node) == (*named, "b")
+        assert mon.courier.held == [named[1]]
+        assert mon.courier.retried == ([] if named[0] == "host" else [([3], monitor.PROBE_RETRY)])
+    finally:
+        mon.close()
+
+
 def _link_monitor(tmp_path, monkeypatch, probes):
     """A 3-node monitor (ranks on n0, n1, n2) whose probes return ``probes`` in turn, and a
     suspected link for its ``_verdict``."""
