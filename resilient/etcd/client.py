@@ -374,8 +374,19 @@ class EtcdClient:
     def member_add(self, peer_urls: Sequence[str], learner: bool = True) -> dict[str, Any]:
         """Add a member (a learner by default: it counts for no quorum until promoted); the
         new member's record (its ``ID``) and the members as etcd lists them after it."""
-        resp = self._post("/cluster/member/add", {"peerURLs": list(peer_urls), "isLearner": learner},
-                          f"member add {list(peer_urls)}", retry_timeout=timedelta(seconds=10))
+        try:
+            resp = self._post("/cluster/member/add", {"peerURLs": list(peer_urls), "isLearner": learner},
+                              f"member add {list(peer_urls)}", retry_timeout=timedelta(seconds=10))
+        except EtcdError as e:
+            # A retry of an add the cluster had applied, its answer lost to the request timeout
+            # (a loaded host): "member ID already exist" / "Peer URLs already exists". The member
+            # with these peer URLs is the one added (the caller chose free ports for it).
+            if isinstance(e, EtcdAuthError) or "already exist" not in str(e):
+                raise
+            mine = [m for m in self.members() if sorted(m.get("peerURLs") or []) == sorted(peer_urls)]
+            if not mine:
+                raise
+            return mine[0]
         return resp.get("member") or {}
 
     def member_promote(self, member_id: int | str) -> None:

@@ -134,3 +134,65 @@ def test_data_dirs_of_dead_owners_are_reclaimed(tmp_path):
     assert not dead.exists() and live.exists() and bare.exists()
     with embedded_etcd() as server:
         assert (server._root / OWNER).is_file()
+
+
+@pytest.mark.parametrize("first_password", ["ours", "theirs"])
+def test_a_root_user_add_retried_after_its_answer_was_lost_secures_the_server(monkeypatch, first_password):
+    """A loaded host: the add of user root reached etcd, its answer did not come within the
+    request timeout, and the retry was told "user name already exists"; the launch used to end
+    there. Now the server is secured as if the first answer had come, because the login with
+    our password proves the user ours; a root added first by someone else (another password)
+    fails the start with the typed error that says so."""
+    from resilient.etcd import client as client_mod
+    from resilient.etcd.transport import Unreachable
+
+    real = client_mod.EtcdClient._timed_post
+    lost = []
+
+    def answer_lost(self, gw, path, body):
+        if path == "/auth/user/add" and not lost:
+            lost.append(path)
+            if first_password == "theirs":
+                body = {**body, "password": "someone else's"}
+            real(self, gw, path, body)        # applied by the server ...
+            raise Unreachable("read timed out")   # ... but its answer lost
+        return real(self, gw, path, body)
+
+    monkeypatch.setattr(client_mod.EtcdClient, "_timed_post", answer_lost)
+    if first_password == "ours":
+        with EmbeddedEtcd(root_password="p" * 16) as server, server.client() as c:
+            c.put("k", "v")
+            assert c.get("k").value == b"v" and lost
+    else:
+        with pytest.raises(EtcdAuthError, match="added the user first"), EmbeddedEtcd(root_password="p" * 16):
+            pass
+
+
+def test_a_member_add_retried_after_its_answer_was_lost_returns_the_member_added(etcd, monkeypatch):
+    """As for the root user above: the cluster applied the add, the answer was lost, and the
+    retry was told "member ID already exist"; the agent's join failed there and left a learner
+    nobody started. Now the member with the given peer URLs is returned, as the first answer
+    would have."""
+    from resilient.etcd import client as client_mod
+    from resilient.etcd.server import free_port
+    from resilient.etcd.transport import Unreachable
+
+    real = client_mod.EtcdClient._timed_post
+    lost = []
+
+    def answer_lost(self, gw, path, body):
+        out = real(self, gw, path, body)
+        if path == "/cluster/member/add" and not lost:
+            lost.append(out["member"])
+            raise Unreachable("read timed out")
+        return out
+
+    monkeypatch.setattr(client_mod.EtcdClient, "_timed_post", answer_lost)
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    with etcd.client() as c:
+        added = c.member_add([url])
+        try:
+            assert added["ID"] == lost[0]["ID"] and added["peerURLs"] == [url]
+            assert [m["ID"] for m in c.members()].count(added["ID"]) == 1
+        finally:
+            c.member_remove(added["ID"])
