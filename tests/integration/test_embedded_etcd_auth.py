@@ -32,7 +32,7 @@ from datetime import timedelta
 
 import pytest
 
-from launchutil import REPO, Agent, digests, events, run_launch, wait_for, worker_pids
+from launchutil import REPO, Agent, digests, events, run_launch, steps_done, wait_for, worker_pids
 from resilient.agent.quarantine import Quarantine, SlowMarks
 from resilient.commands.quarantine import main as quarantine_cli
 from resilient.errors import LaunchError
@@ -192,7 +192,9 @@ def test_an_attacker_without_the_secret_cannot_touch_a_running_jobs_etcd(tmp_pat
     run = tmp_path / "run"
     run.mkdir()
     gadget = tmp_path / "gadget-ran"
-    agent = Agent(EXAMPLE, run, SETS, "a", nproc=2, script_args=["--steps", str(STEPS), "--pace", "0.15"])
+    # Paced so that the job outlasts the attacker's process (5 refused requests, its imports): at
+    # 0.15 s a step, with the suite beside two busy loops, the job had ended before the kill.
+    agent = Agent(EXAMPLE, run, SETS, "a", nproc=2, script_args=["--steps", str(STEPS), "--pace", "0.5"])
     try:
         wait_for(lambda: committed(run) >= 3, 90, "the first memory-tier commits")
         assert (run / "job.secret").stat().st_mode & 0o077 == 0
@@ -205,6 +207,7 @@ def test_an_attacker_without_the_secret_cannot_touch_a_running_jobs_etcd(tmp_pat
         got = json.loads(attacker.stdout)
         # After the attack a worker dies: its restore reads the commit records and the node
         # registry from etcd, logged in with the credentials its agent gave it.
+        assert agent.alive() and steps_done(run) < STEPS, "the job ended before the attack did"
         os.kill(worker_pids(run, "a")[0], signal.SIGKILL)
         assert agent.wait(90) == 0, agent.output()[-3000:]
     finally:

@@ -196,3 +196,31 @@ def test_a_member_add_retried_after_its_answer_was_lost_returns_the_member_added
             assert [m["ID"] for m in c.members()].count(added["ID"]) == 1
         finally:
             c.member_remove(added["ID"])
+
+
+def test_the_start_check_waits_for_a_slow_etcd_and_still_names_a_refused_one(etcd, monkeypatch):
+    """A loaded host: the launcher's embedded etcd, started and secured a moment before, did
+    not answer the rendezvous's first status check within its 5 s, and the launch ended
+    "cannot reach etcd". A server that times out may be slow, not absent: the check now
+    gives it the client's retry_timeout; a refused endpoint still fails the check."""
+    from resilient.etcd import client as client_mod
+    from resilient.etcd.server import free_port
+    from resilient.etcd.transport import Unreachable
+
+    real = client_mod.EtcdClient._timed_post
+    late = []
+
+    def slow(self, gw, path, body):
+        if path == "/maintenance/status" and len(late) < 3:
+            late.append(path)
+            time.sleep(0.1)
+            raise Unreachable(f"{gw.base_url}: TimeoutError: timed out")
+        return real(self, gw, path, body)
+
+    monkeypatch.setattr(client_mod.EtcdClient, "_timed_post", slow)
+    with etcd.client(retry_timeout=timedelta(seconds=60)) as c:
+        c.check(timedelta(seconds=0.05))   # past the first budget, answered within the second
+    assert len(late) == 3
+    with EtcdClient([f"127.0.0.1:{free_port('127.0.0.1')}"], retry_timeout=timedelta(seconds=60)) as refused:
+        with pytest.raises(EtcdUnavailable, match="refused"):
+            refused.check(timedelta(seconds=0.2))
