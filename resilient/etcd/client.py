@@ -67,6 +67,7 @@ _AUTH_MARKERS = ("auth", "permission denied", "user name is empty", "token")
 _TLS_MARKERS = ("SSLError", "CERTIFICATE_VERIFY_FAILED", "certificate required", "bad certificate")
 
 _RETRYABLE = (Unreachable, ServerBusy)
+TLS_EOFS = 3   # see EtcdClient._call
 
 
 def _b64(data: bytes | str) -> str:
@@ -257,6 +258,7 @@ class EtcdClient:
         reauthed = relogin = False   # logged in again once in this call / to do before the next try
         refused_with: str | None = None   # the token the server refused
         used: str | None = None
+        tls_eofs = 0   # TLS connections the server closed unfinished, in a row
         while True:
             gws = self._gw   # replaced whole by a sync: this call keeps the list it started with
             idx = self._current % len(gws)
@@ -272,7 +274,13 @@ class EtcdClient:
                 return out
             except _RETRYABLE as exc:
                 last: object = exc.detail_text or exc or type(exc).__name__
-                if any(m in str(last) for m in _TLS_MARKERS):
+                # A server that refuses our TLS (no client certificate, one it does not trust)
+                # sends an alert, but under TLS 1.3 the client may be writing its request by
+                # then and see only the connection closed (SSLEOFError): every try, for the
+                # whole retry budget, on a loaded host. One such close is also what a server
+                # stopping mid-handshake gives, so it takes TLS_EOFS in a row to be a refusal.
+                tls_eofs = tls_eofs + 1 if "SSLEOFError" in str(last) else 0
+                if any(m in str(last) for m in _TLS_MARKERS) or tls_eofs >= TLS_EOFS:
                     # A TLS failure is a configuration problem, not an outage: no retry.
                     raise EtcdAuthError(
                         f"etcd {what}: TLS with {gw.base_url} failed: {last}. Check ca_cert "

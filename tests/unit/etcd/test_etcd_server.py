@@ -224,3 +224,34 @@ def test_the_start_check_waits_for_a_slow_etcd_and_still_names_a_refused_one(etc
     with EtcdClient([f"127.0.0.1:{free_port('127.0.0.1')}"], retry_timeout=timedelta(seconds=60)) as refused:
         with pytest.raises(EtcdUnavailable, match="refused"):
             refused.check(timedelta(seconds=0.2))
+
+
+@pytest.mark.parametrize("closes", [1, 1000])
+def test_a_tls_refusal_seen_only_as_closed_connections_is_a_typed_error_and_one_close_is_retried(
+        etcd, monkeypatch, closes):
+    """On a loaded host a client without a certificate never saw etcd's TLS alert, only the
+    connection closed under its request (SSLEOFError), and retried for its whole 30 s before
+    calling the server unreachable (test_tls_with_client_certificates, the suite beside two busy
+    loops). TLS_EOFS such closes in a row are now the refusal they are; one is retried (a server
+    stopping mid-handshake closes one connection so)."""
+    from resilient.etcd import client as client_mod
+    from resilient.etcd.transport import Unreachable
+
+    real = client_mod.EtcdClient._timed_post
+    seen = []
+
+    def closed(self, gw, path, body):
+        if len(seen) < closes:
+            seen.append(path)
+            raise Unreachable(f"{gw.base_url}: SSLEOFError: EOF occurred in violation of protocol (_ssl.c:2427)")
+        return real(self, gw, path, body)
+
+    monkeypatch.setattr(client_mod.EtcdClient, "_timed_post", closed)
+    with etcd.client(retry_timeout=timedelta(seconds=60)) as c:
+        if closes == 1:
+            c.put("/tls/eof", "v")
+            assert c.get("/tls/eof").value == b"v"
+        else:
+            with pytest.raises(EtcdAuthError, match="TLS"):
+                c.get("/tls/eof")
+            assert len(seen) == client_mod.TLS_EOFS
