@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 SECRET = JobSecret(b"the attacked job's secret, of 32 bytes or more")
 
 ATTACK = r"""
-import glob, http.client, json, os, shutil, ssl, subprocess, sys, tempfile
+import atexit, glob, http.client, json, os, shutil, ssl, subprocess, sys, tempfile
 
 client_port, peer_port, run_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 HOST = "127.0.0.1"
@@ -53,6 +53,7 @@ def own_certificate():
     if shutil.which("openssl") is None:
         return None
     d = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, d, True)   # the test leaves nothing behind, the attacker's files included
     key, cert = os.path.join(d, "k.pem"), os.path.join(d, "c.pem")
     r = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
                         "-keyout", key, "-out", cert, "-days", "1", "-subj", "/O=resilient/OU=resilient-client"],
