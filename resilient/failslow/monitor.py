@@ -257,7 +257,7 @@ class FailSlowMonitor:
         had slowed (its own time swings 0-200 ms a step). Why a host's too: the timings call it
         a host when every mate's evidence is past half the level; on CI's loaded host rank 0,
         the slowed rank's mate there (it gathers the timings), got there with the slowed rank
-        alone stopped, and the campaign's device was named a host (stop 53's CI)."""
+        alone stopped, and the campaign's device was named a host (the CI of 36567bf)."""
         j = self._probe()
         evidence = {**s.evidence, **j["evidence"], "probed": True}
         need = SUSPECT_CONFIRM if s.evidence.get("suspected") else SLOW_COMPUTE

@@ -136,6 +136,16 @@ def test_data_dirs_of_dead_owners_are_reclaimed(tmp_path):
         assert (server._root / OWNER).is_file()
 
 
+def _stage_answers(monkeypatch, stage):
+    """Every request of every EtcdClient goes through ``stage(post, path, body)``, where
+    ``post(body)`` makes the real request: a lost, late or refused answer, staged."""
+    from resilient.etcd import client as client_mod
+
+    real = client_mod.EtcdClient._timed_post
+    monkeypatch.setattr(client_mod.EtcdClient, "_timed_post",
+                        lambda self, gw, path, body: stage(lambda b: real(self, gw, path, b), path, body))
+
+
 @pytest.mark.parametrize("first_password", ["ours", "theirs"])
 def test_a_root_user_add_retried_after_its_answer_was_lost_secures_the_server(monkeypatch, first_password):
     """A loaded host: the add of user root reached etcd, its answer did not come within the
@@ -143,22 +153,18 @@ def test_a_root_user_add_retried_after_its_answer_was_lost_secures_the_server(mo
     there. Now the server is secured as if the first answer had come, because the login with
     our password proves the user ours; a root added first by someone else (another password)
     fails the start with the typed error that says so."""
-    from resilient.etcd import client as client_mod
     from resilient.etcd.transport import Unreachable
 
-    real = client_mod.EtcdClient._timed_post
     lost = []
 
-    def answer_lost(self, gw, path, body):
+    def answer_lost(post, path, body):
         if path == "/auth/user/add" and not lost:
             lost.append(path)
-            if first_password == "theirs":
-                body = {**body, "password": "someone else's"}
-            real(self, gw, path, body)        # applied by the server ...
+            post({**body, "password": "someone else's"} if first_password == "theirs" else body)  # applied ...
             raise Unreachable("read timed out")   # ... but its answer lost
-        return real(self, gw, path, body)
+        return post(body)
 
-    monkeypatch.setattr(client_mod.EtcdClient, "_timed_post", answer_lost)
+    _stage_answers(monkeypatch, answer_lost)
     if first_password == "ours":
         with EmbeddedEtcd(root_password="p" * 16) as server, server.client() as c:
             c.put("k", "v")
@@ -173,21 +179,19 @@ def test_a_member_add_retried_after_its_answer_was_lost_returns_the_member_added
     retry was told "member ID already exist"; the agent's join failed there and left a learner
     nobody started. Now the member with the given peer URLs is returned, as the first answer
     would have."""
-    from resilient.etcd import client as client_mod
     from resilient.etcd.server import free_port
     from resilient.etcd.transport import Unreachable
 
-    real = client_mod.EtcdClient._timed_post
     lost = []
 
-    def answer_lost(self, gw, path, body):
-        out = real(self, gw, path, body)
+    def answer_lost(post, path, body):
+        out = post(body)
         if path == "/cluster/member/add" and not lost:
             lost.append(out["member"])
             raise Unreachable("read timed out")
         return out
 
-    monkeypatch.setattr(client_mod.EtcdClient, "_timed_post", answer_lost)
+    _stage_answers(monkeypatch, answer_lost)
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     with etcd.client() as c:
         added = c.member_add([url])
@@ -203,21 +207,19 @@ def test_the_start_check_waits_for_a_slow_etcd_and_still_names_a_refused_one(etc
     not answer the rendezvous's first status check within its 5 s, and the launch ended
     "cannot reach etcd". A server that times out may be slow, not absent: the check now
     gives it the client's retry_timeout; a refused endpoint still fails the check."""
-    from resilient.etcd import client as client_mod
     from resilient.etcd.server import free_port
     from resilient.etcd.transport import Unreachable
 
-    real = client_mod.EtcdClient._timed_post
     late = []
 
-    def slow(self, gw, path, body):
+    def slow(post, path, body):
         if path == "/maintenance/status" and len(late) < 3:
             late.append(path)
             time.sleep(0.1)
-            raise Unreachable(f"{gw.base_url}: TimeoutError: timed out")
-        return real(self, gw, path, body)
+            raise Unreachable("https://etcd: TimeoutError: timed out")
+        return post(body)
 
-    monkeypatch.setattr(client_mod.EtcdClient, "_timed_post", slow)
+    _stage_answers(monkeypatch, slow)
     with etcd.client(retry_timeout=timedelta(seconds=60)) as c:
         c.check(timedelta(seconds=0.05))   # past the first budget, answered within the second
     assert len(late) == 3
@@ -237,16 +239,15 @@ def test_a_tls_refusal_seen_only_as_closed_connections_is_a_typed_error_and_one_
     from resilient.etcd import client as client_mod
     from resilient.etcd.transport import Unreachable
 
-    real = client_mod.EtcdClient._timed_post
     seen = []
 
-    def closed(self, gw, path, body):
+    def closed(post, path, body):
         if len(seen) < closes:
             seen.append(path)
-            raise Unreachable(f"{gw.base_url}: SSLEOFError: EOF occurred in violation of protocol (_ssl.c:2427)")
-        return real(self, gw, path, body)
+            raise Unreachable("https://etcd: SSLEOFError: EOF occurred in violation of protocol (_ssl.c:2427)")
+        return post(body)
 
-    monkeypatch.setattr(client_mod.EtcdClient, "_timed_post", closed)
+    _stage_answers(monkeypatch, closed)
     with etcd.client(retry_timeout=timedelta(seconds=60)) as c:
         if closes == 1:
             c.put("/tls/eof", "v")

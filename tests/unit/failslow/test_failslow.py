@@ -194,7 +194,7 @@ def test_a_device_verdict_the_probe_did_not_bear_out_is_judged_again_and_a_later
 ])
 def test_a_host_verdict_of_the_timings_is_probed_and_the_probe_says_device_or_host(tmp_path, monkeypatch,
                                                                                     probe, named):
-    """Stop 53's CI: the slow-rank campaign slowed one rank; its mate on the same node (rank 0
+    """The CI of 36567bf: the slow-rank campaign slowed one rank; its mate on the same node (rank 0
     there, which gathers the timings) had half a verdict's evidence from the host's load, and the
     timings named the node a host, unprobed. Now the probe says which, and a mate it spared is
     judged afresh (re-armed after PROBE_RETRY exchanges)."""
